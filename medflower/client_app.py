@@ -1,0 +1,28 @@
+"""ClientApp: routes each message to the client half of the run's strategy."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from .strategies import STRATEGIES
+from .strategies.base import ClientRuntime
+
+app = ClientApp()
+
+
+def handle(message: Message, context: Context) -> Message:
+    """Build the site's runtime and call ``<category>`` or ``<action>`` on the method's client half."""
+    runtime = ClientRuntime.from_message(message, context)
+    half = STRATEGIES[runtime.cfg.strategy].client_half(runtime)
+    category, _, action = message.metadata.message_type.partition(".")
+    handler = getattr(half, action or category)
+    return Message(handler(message), reply_to=message)
+
+
+app.query()(handle)
+app.train()(handle)
+app.evaluate()(handle)
+for _strategy in STRATEGIES.values():
+    for _category, _action in _strategy.extra_actions:
+        getattr(app, _category)(_action)(handle)

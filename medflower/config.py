@@ -1,0 +1,307 @@
+"""Typed, validated experiment configuration.
+
+Every run-config key lives in ``OPTIONS`` (default, type, check, help). The same table
+feeds ``pyproject.toml``'s defaults check, the README table (``python -m medflower.config``)
+and validation: a bad value stops the run before any training with one message that names
+the key, the bad value and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .data import PARTITIONS, SOURCE_KINDS, DataSpec
+from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec
+
+
+class ConfigError(ValueError):
+    """A run-config value is unknown or out of range."""
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"run-config '{key}' = {value!r} is invalid: {why}")
+
+
+# ---------------------------------------------------------------------------
+# Checks: each returns None when fine, else a short reason.
+def positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def non_negative(v: float) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def unit_interval_open_left(v: float) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def fraction_below_one(v: float) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def one_of(*choices: str) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        return None if v in choices else "valid choices are " + ", ".join(choices)
+
+    check.choices = choices  # type: ignore[attr-defined]
+    return check
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str
+    default: Any
+    help: str
+    check: Callable[[Any], str | None] | None = None
+    group: str = "run"
+
+    @property
+    def attr(self) -> str:
+        return self.key.replace("-", "_")
+
+
+# The strategy registry imports config, so the choices are filled in lazily.
+def _strategy_check(v: str) -> str | None:
+    from .strategies import STRATEGIES
+
+    return None if v in STRATEGIES else "valid choices are " + ", ".join(STRATEGIES)
+
+
+def _dataset_check(v: str) -> str | None:
+    kind = v.split(":", 1)[0]
+    valid = "valid choices are synthetic, medmnist:<flag>, csv:<manifest.csv>"
+    if kind not in SOURCE_KINDS:
+        return valid
+    if kind == "synthetic" and v != "synthetic":
+        return valid
+    if kind != "synthetic" and not v.split(":", 1)[1:] or v.endswith(":"):
+        return f"'{kind}:' needs a value after the colon; " + valid
+    return None
+
+
+def _backbone_check(v: str) -> str | None:
+    if v in BACKBONE_ALIASES:
+        return None
+    import timm
+
+    if v in timm.list_models():
+        return None
+    return "valid choices are " + ", ".join(BACKBONE_ALIASES) + " or any timm model name"
+
+
+def _weights_check(v: str) -> str | None:
+    if v in WEIGHT_MODES or Path(v).expanduser().is_file():
+        return None
+    return "valid choices are " + ", ".join(WEIGHT_MODES) + " or the path of an existing weights file"
+
+
+def _seed_check(v: int) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+OPTIONS: tuple[Option, ...] = (
+    # --- run
+    Option("strategy", "fedavg", "federated method (see the methods table)", _strategy_check),
+    Option("num-rounds", 5, "federated rounds", positive),
+    Option("seed", 0, "seed of data partitioning, model init, client sampling and training", _seed_check),
+    Option("fraction-train", 1.0, "fraction of connected nodes sampled for training each round", unit_interval_open_left),
+    Option("min-nodes", 1, "nodes that must be connected before round 1 starts", positive),
+    Option("node-wait-timeout", 120.0, "seconds to wait for min-nodes before giving up", positive),
+    Option("round-timeout", 600.0, "seconds to wait for replies in one phase; late nodes are skipped", positive),
+    Option("output-dir", "outputs", "where run folders go (relative paths: the ServerApp's working directory)"),
+    Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
+    Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
+    # --- data
+    Option("dataset", "synthetic", "synthetic | medmnist:<flag> | csv:<manifest.csv>", _dataset_check, "data"),
+    Option("data-dir", "data", "folder holding <flag>.npz for medmnist sources", None, "data"),
+    Option("partition", "dirichlet", "how data is split over clients", one_of(*PARTITIONS), "data"),
+    Option("dirichlet-alpha", 0.5, "Dirichlet concentration of the label skew", positive, "data"),
+    Option("pathological-k", 2, "classes per client for the pathological partition", positive, "data"),
+    Option("val-fraction", 0.1, "per-client validation share (seeded, stratified)", fraction_below_one, "data"),
+    Option("test-fraction", 0.2, "per-client test share (seeded, stratified)", fraction_below_one, "data"),
+    Option("use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"),
+    Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
+    Option("num-classes", 0, "classes of the head; 0 = read from the data source", non_negative, "data"),
+    # --- model
+    Option("backbone", "vit-tiny", "timm backbone alias or timm model name", _backbone_check, "model"),
+    Option("backbone-weights", "auto", "none | auto (cached timm weights, else random + warning) | file path", _weights_check, "model"),
+    Option("img-size", 32, "input resolution", positive, "model"),
+    Option("patch-size", 8, "ViT patch size; 0 = the backbone's own", non_negative, "model"),
+    Option("adapter", "lora", "trainable adapter", one_of(*ADAPTERS), "model"),
+    Option("lora-rank", 8, "LoRA rank r", positive, "model"),
+    Option("lora-alpha", 16.0, "LoRA scaling alpha", positive, "model"),
+    Option("adapter-targets", "", "comma-separated module names to adapt; empty = per-backbone default", None, "model"),
+    Option("bottleneck-ratio", 0.25, "hidden/width ratio of bottleneck adapters", unit_interval_open_left, "model"),
+    # --- training
+    Option("local-epochs", 1, "local epochs per round", positive, "train"),
+    Option("batch-size", 32, "local batch size", positive, "train"),
+    Option("lr", 3e-3, "learning rate", positive, "train"),
+    Option("optimizer", "adamw", "local optimizer", one_of("adamw", "adam", "sgd"), "train"),
+    Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
+    Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
+    Option("proximal-mu", 0.01, "FedProx proximal weight mu (strategy fedprox)", non_negative, "train"),
+    Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
+)
+OPTION_BY_KEY = {o.key: o for o in OPTIONS}
+
+
+def _coerce(option: Option, value: Any) -> Any:
+    """Cast a TOML value to the option's type, or raise ConfigError."""
+    want = type(option.default)
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(option.key, value, "must be true or false")
+    if want is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise _bad(option.key, value, "must be an integer")
+        return int(value)
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(option.key, value, "must be a number")
+        return float(value)
+    if not isinstance(value, str):
+        raise _bad(option.key, value, "must be a string (quote it: key='value')")
+    return value
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The validated run config; attribute names are the keys with '-' -> '_'."""
+
+    strategy: str
+    num_rounds: int
+    seed: int
+    fraction_train: float
+    min_nodes: int
+    node_wait_timeout: float
+    round_timeout: float
+    output_dir: str
+    run_name: str
+    resume_from: str
+    dataset: str
+    data_dir: str
+    partition: str
+    dirichlet_alpha: float
+    pathological_k: int
+    val_fraction: float
+    test_fraction: float
+    use_source_splits: bool
+    synthetic_size: int
+    num_classes: int
+    backbone: str
+    backbone_weights: str
+    img_size: int
+    patch_size: int
+    adapter: str
+    lora_rank: int
+    lora_alpha: float
+    adapter_targets: str
+    bottleneck_ratio: float
+    local_epochs: int
+    batch_size: int
+    lr: float
+    optimizer: str
+    momentum: float
+    weight_decay: float
+    proximal_mu: float
+    device: str
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any], *, check_paths: bool = True) -> "ExperimentConfig":
+        """Validate a Flower run config; unknown keys are refused with the closest known key."""
+        unknown = sorted(set(run_config) - set(OPTION_BY_KEY))
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, OPTION_BY_KEY, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else "see the README's run-config table"
+            raise ConfigError(f"run-config key '{key}' is unknown: {hint}")
+        values: dict[str, Any] = {}
+        for option in OPTIONS:
+            raw = run_config.get(option.key, option.default)
+            value = _coerce(option, raw)
+            if option.check is not None and (why := option.check(value)):
+                raise _bad(option.key, value, why)
+            values[option.attr] = value
+        cfg = cls(**values)
+        cfg._check_cross_fields(check_paths)
+        return cfg
+
+    def _check_cross_fields(self, check_paths: bool) -> None:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise _bad("test-fraction", self.test_fraction,
+                       f"val-fraction + test-fraction must be < 1 (val-fraction = {self.val_fraction})")
+        if check_paths:
+            self.check_data_paths()
+
+    def check_data_paths(self) -> None:
+        """Fail early when the run config names data that is not there."""
+        kind, _, arg = self.dataset.partition(":")
+        if kind == "medmnist":
+            data_dir = Path(self.data_dir).expanduser()
+            candidates = [data_dir / f"{arg}.npz"] + sorted(data_dir.glob(f"{arg}_*.npz"))
+            if not any(p.is_file() for p in candidates):
+                raise _bad("dataset", self.dataset,
+                           f"no file {candidates[0]} (data-dir = {self.data_dir!r}, absolute: {data_dir.resolve()})")
+        elif kind == "csv" and not Path(arg).expanduser().is_file():
+            raise _bad("dataset", self.dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
+
+    # ----- views for the layers
+    def data_spec(self, **overrides: Any) -> DataSpec:
+        spec = DataSpec(
+            dataset=self.dataset, data_dir=self.data_dir, partition=self.partition,
+            dirichlet_alpha=self.dirichlet_alpha, pathological_k=self.pathological_k,
+            val_fraction=self.val_fraction, test_fraction=self.test_fraction, img_size=self.img_size,
+            seed=self.seed, synthetic_size=self.synthetic_size, use_source_splits=self.use_source_splits,
+        )
+        return dataclasses.replace(spec, **overrides) if overrides else spec
+
+    def model_spec(self) -> ModelSpec:
+        targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())
+        return ModelSpec(
+            backbone=self.backbone, adapter=self.adapter, img_size=self.img_size, patch_size=self.patch_size,
+            weights=self.backbone_weights, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+            adapter_targets=targets, bottleneck_ratio=self.bottleneck_ratio, seed=self.seed,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {o.key: getattr(self, o.attr) for o in OPTIONS}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must not change when a run resumes (everything but the length and paths)."""
+        loose = {"num-rounds", "resume-from", "output-dir", "run-name", "round-timeout",
+                 "node-wait-timeout", "min-nodes", "device", "data-dir"}
+        return {k: v for k, v in self.to_dict().items() if k not in loose}
+
+
+def defaults() -> dict[str, Any]:
+    return {o.key: o.default for o in OPTIONS}
+
+
+def markdown_table() -> str:
+    """The README's run-config table, generated from OPTIONS."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for o in OPTIONS:
+        default = repr(o.default) if isinstance(o.default, str) else str(o.default).lower() if isinstance(o.default, bool) else o.default
+        choices = getattr(o.check, "choices", None)
+        meaning = o.help + (f" ({', '.join(choices)})" if choices else "")
+        rows.append(f"| `{o.key}` | `{default}` | {meaning} |")
+    return "\n".join(rows)
+
+
+_SAFE_RUN_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def safe_name(text: str) -> str:
+    return _SAFE_RUN_NAME.sub("-", text).strip("-")
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation helper
+    sys.stdout.write(markdown_table() + "\n")

@@ -1,0 +1,17 @@
+"""Data layer: sources (synthetic, MedMNIST npz, csv manifests), client partitions, loaders."""
+
+from .client import ClientData, load_client_data
+from .sources import describe_source
+from .spec import PARTITIONS, SOURCE_KINDS, DataError, DataSpec
+from .transforms import make_loader
+
+__all__ = [
+    "ClientData",
+    "DataError",
+    "DataSpec",
+    "PARTITIONS",
+    "SOURCE_KINDS",
+    "describe_source",
+    "load_client_data",
+    "make_loader",
+]

@@ -1,0 +1,55 @@
+"""One client's data: its partition of the pool, split into train/val/test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils.data import Dataset
+
+from .partition import partition_rows, split_client_rows
+from .sources import open_source
+from .spec import DataError, DataSpec
+
+
+@dataclass
+class ClientData:
+    """Datasets of one partition; items are (uint8 HxWx3 / HxW numpy image, int label)."""
+
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    num_classes: int
+    class_names: list[str]
+    partition_id: int
+    site: str | None  # natural site name when known
+
+
+def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> ClientData:
+    """Data of partition ``partition_id`` out of ``num_partitions`` (deterministic from ``spec``)."""
+    if not 0 <= partition_id < num_partitions:
+        raise DataError(f"partition_id {partition_id} is out of range for {num_partitions} partitions")
+    source = open_source(spec)
+    partitioning = partition_rows(spec, num_partitions)
+    rows = partitioning.rows[partition_id]
+    source_splits = source.splits[rows] if spec.use_source_splits and source.splits is not None else None
+    positions = split_client_rows(source.labels[rows], source_splits, spec.val_fraction,
+                                  spec.test_fraction, seed=spec.seed + partition_id)
+    sizes = ", ".join(f"{split} {len(p)}" for split, p in positions.items())
+    for split, remedy in (("test", "a larger test_fraction"), ("train", "a less skewed partitioning")):
+        if len(positions[split]) == 0:
+            remedies = ["fewer partitions", remedy]
+            if source_splits is not None:
+                remedies.append("use_source_splits=False")
+            raise DataError(
+                f"{source.name}: partition {partition_id} of {num_partitions} has an empty {split} split "
+                f"({len(rows)} rows: {sizes}); try {', '.join(remedies[:-1])} or {remedies[-1]}")
+    client_rows = source.dataset(rows, partition_id, spec)
+    return ClientData(
+        train=client_rows.take(positions["train"]),
+        val=client_rows.take(positions["val"]),
+        test=client_rows.take(positions["test"]),
+        num_classes=source.num_classes,
+        class_names=list(source.class_names),
+        partition_id=partition_id,
+        site=partitioning.sites[partition_id],
+    )

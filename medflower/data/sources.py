@@ -1,0 +1,321 @@
+"""Data sources: the synthetic pool, local MedMNIST ``.npz`` files and csv manifests.
+
+A source is the whole pool of rows with their labels (and, where the source has them,
+split and site per row). ``open_source`` is cached per source identity (file path and
+modification time for files), so repeated calls in one process are cheap.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from torch.utils.data import Dataset
+
+from . import synthetic
+from .image_datasets import ArrayImageDataset, ImageFileDataset
+from .spec import DataError, DataSpec
+
+SPLITS = ("train", "val", "test")
+MAX_LISTED_ROWS = 10
+
+# Class names of the single-label 2D MedMNIST datasets (medmnist.INFO); others get "class-<i>".
+MEDMNIST_CLASS_NAMES: dict[str, tuple[str, ...]] = {
+    "pathmnist": ("adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle",
+                  "normal colon mucosa", "cancer-associated stroma",
+                  "colorectal adenocarcinoma epithelium"),
+    "dermamnist": ("actinic keratoses and intraepithelial carcinoma", "basal cell carcinoma",
+                   "benign keratosis-like lesions", "dermatofibroma", "melanoma", "melanocytic nevi",
+                   "vascular lesions"),
+    "octmnist": ("choroidal neovascularization", "diabetic macular edema", "drusen", "normal"),
+    "pneumoniamnist": ("normal", "pneumonia"),
+    "retinamnist": ("0", "1", "2", "3", "4"),
+    "breastmnist": ("malignant", "normal, benign"),
+    "bloodmnist": ("basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte",
+                   "monocyte", "neutrophil", "platelet"),
+    "tissuemnist": ("Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule",
+                    "Glomerular endothelial cells", "Interstitial endothelial cells", "Leukocytes",
+                    "Podocytes", "Proximal Tubule Segments", "Thick Ascending Limb"),
+    **dict.fromkeys(("organamnist", "organcmnist", "organsmnist"), (
+        "bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
+        "lung-left", "lung-right", "pancreas", "spleen")),
+}
+
+
+def default_class_names(num_classes: int) -> tuple[str, ...]:
+    """'class-0', 'class-1', ..."""
+    return tuple(f"class-{c}" for c in range(num_classes))
+
+
+def list_rows(items: list[str], limit: int = MAX_LISTED_ROWS) -> str:
+    """'a, b, c ... (+N more, M in total)' for error messages."""
+    shown = ", ".join(items[:limit])
+    if len(items) <= limit:
+        return shown
+    return f"{shown} ... (+{len(items) - limit} more, {len(items)} in total)"
+
+
+class Source:
+    """A pool of labelled rows; subclasses make the images of a client's rows."""
+
+    name: str  # names the source (and its file) in messages
+    labels: np.ndarray  # int64 (N,)
+    class_names: tuple[str, ...]
+    splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def sites(self, num_partitions: int) -> np.ndarray | None:
+        """Natural site of each row, or None when the source has no sites."""
+        return None
+
+    def row_name(self, row: int) -> str:
+        """How messages refer to pool row ``row``."""
+        return f"row {row}"
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        """Dataset of pool ``rows`` as held by partition ``partition_id``."""
+        raise NotImplementedError
+
+
+class SyntheticSource(Source):
+    """Synthetic gratings; the image style depends on the partition holding a row."""
+
+    def __init__(self, seed: int, size: int, num_classes: int) -> None:
+        self.pool = synthetic.synthetic_pool(seed, size, num_classes)
+        self.seed = seed
+        self.name = f"synthetic (seed {seed}, {size} samples)"
+        self.labels = self.pool.labels
+        self.class_names = self.pool.class_names
+
+    @staticmethod
+    def site_name(partition_id: int, num_partitions: int) -> str:
+        """'site-<id>', zero-padded so that names sort like the ids."""
+        return f"site-{partition_id:0{len(str(num_partitions - 1))}d}"
+
+    def sites(self, num_partitions: int) -> np.ndarray:
+        """Row i belongs to site i % num_partitions."""
+        names = np.array([self.site_name(p, num_partitions) for p in range(num_partitions)])
+        return names[np.arange(len(self)) % num_partitions]
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        size = min(spec.img_size, synthetic.MAX_RENDER_SIZE)
+        style = synthetic.site_style(self.seed, partition_id)
+        images = synthetic.render(self.pool, rows, style, size, noise_key=(self.seed, partition_id))
+        return ArrayImageDataset(images, self.labels[rows], spec.img_size)
+
+
+class MedmnistSource(Source):
+    """A MedMNIST ``.npz``: official train/val/test splits pooled, each row remembers its split."""
+
+    IMAGE_KEYS = tuple(f"{s}_images" for s in SPLITS)
+    LABEL_KEYS = tuple(f"{s}_labels" for s in SPLITS)
+
+    def __init__(self, flag: str, path: Path) -> None:
+        self.flag, self.path = flag, path
+        self.name = f"medmnist:{flag} ({path})"
+        with self._open() as npz:
+            missing = [k for k in self.IMAGE_KEYS + self.LABEL_KEYS if k not in npz.files]
+            if missing:
+                raise DataError(f"{path}: npz is missing key(s) {', '.join(missing)}; "
+                                f"found keys: {', '.join(sorted(npz.files)) or 'none'}")
+            split_labels = [self._check_labels(npz, key) for key in self.LABEL_KEYS]
+        self.split_sizes = [len(lab) for lab in split_labels]
+        self.labels = np.concatenate(split_labels)
+        self.splits = np.repeat(np.array(SPLITS), self.split_sizes)
+        known = MEDMNIST_CLASS_NAMES.get(flag)
+        if known is not None and self.labels.max(initial=-1) >= len(known):
+            raise DataError(f"{path}: label {self.labels.max()} is out of range for {flag}, "
+                            f"which has {len(known)} classes (0..{len(known) - 1})")
+        self.class_names = known or default_class_names(int(self.labels.max(initial=0)) + 1)
+
+    def _open(self) -> np.lib.npyio.NpzFile:
+        try:
+            return np.load(self.path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{self.path}: cannot read npz file: {exc}") from exc
+
+    def _check_labels(self, npz, key: str) -> np.ndarray:
+        try:
+            raw = npz[key]
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{self.path}: cannot read {key}: {exc}") from exc
+        if raw.ndim == 2 and raw.shape[1] > 1:
+            raise DataError(f"{self.path}: {key} has shape {raw.shape}: multi-label data is not "
+                            f"supported (need one class per image, shape (N,) or (N, 1))")
+        if raw.ndim not in (1, 2):
+            raise DataError(f"{self.path}: {key} has shape {raw.shape}; expected (N,) or (N, 1)")
+        raw = raw.reshape(-1)
+        if raw.dtype.kind not in "iub" and not (raw.dtype.kind == "f" and np.all(raw == np.round(raw))):
+            raise DataError(f"{self.path}: {key} must hold integer class indices, "
+                            f"got dtype {raw.dtype} (e.g. {raw[:3].tolist()})")
+        if raw.size and raw.min() < 0:
+            raise DataError(f"{self.path}: {key} has negative label(s), e.g. {int(raw.min())}")
+        return raw.astype(np.int64)
+
+    @cached_property
+    def images(self) -> np.ndarray:
+        """All images, train then val then test, uint8 (N, H, W) or (N, H, W, C)."""
+        with self._open() as npz:
+            parts = []
+            for key, expected in zip(self.IMAGE_KEYS, self.split_sizes):
+                images = npz[key]
+                if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
+                    raise DataError(f"{self.path}: {key} has shape {images.shape}; "
+                                    f"expected (N, H, W) or (N, H, W, 3)")
+                if len(images) != expected:
+                    raise DataError(f"{self.path}: {key} has {len(images)} images but "
+                                    f"{key.replace('images', 'labels')} has {expected} labels")
+                if images.dtype != np.uint8:
+                    in_range = images.size == 0 or (images.min() >= 0 and images.max() <= 255)
+                    if images.dtype.kind not in "iu" or not in_range:
+                        raise DataError(f"{self.path}: {key} must hold uint8 pixels (0..255), "
+                                        f"got {images.dtype}")
+                    images = images.astype(np.uint8)
+                parts.append(images)
+        if len({p.shape[1:] for p in parts}) > 1:
+            raise DataError(f"{self.path}: image shapes differ between splits: "
+                            + ", ".join(f"{k} {p.shape[1:]}" for k, p in zip(self.IMAGE_KEYS, parts)))
+        pooled = np.concatenate(parts)
+        pooled.setflags(write=False)
+        return pooled
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        return ArrayImageDataset(self.images[rows], self.labels[rows], spec.img_size)
+
+
+class CsvSource(Source):
+    """A csv manifest with columns path,label[,site][,split]; images are read lazily."""
+
+    def __init__(self, manifest: Path) -> None:
+        self.manifest = manifest
+        self.name = f"csv:{manifest}"
+        frame = self._read(manifest)
+        self.lines = np.arange(len(frame)) + 2  # line 1 is the header
+        self.labels, self.class_names = self._parse_labels(frame["label"])
+        self.splits = self._parse_splits(frame["split"]) if "split" in frame else None
+        self.site_values = frame["site"].to_numpy(dtype=str) if "site" in frame else None
+        self.paths = self._resolve_paths(frame["path"])
+
+    @staticmethod
+    def _read(manifest: Path) -> pd.DataFrame:
+        try:
+            frame = pd.read_csv(manifest, dtype=str, keep_default_na=False)
+        except pd.errors.EmptyDataError as exc:
+            raise DataError(f"{manifest}: manifest is empty (expected a header with path,label)") from exc
+        except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
+            raise DataError(f"{manifest}: cannot read manifest: {exc}") from exc
+        frame.columns = [str(c).strip() for c in frame.columns]
+        missing = [c for c in ("path", "label") if c not in frame.columns]
+        if missing:
+            raise DataError(f"{manifest}: missing required column(s) {', '.join(missing)}; "
+                            f"found columns: {', '.join(frame.columns)}")
+        if frame.empty:
+            raise DataError(f"{manifest}: manifest has a header but no rows")
+        return frame.apply(lambda column: column.str.strip())
+
+    def _bad_rows(self, mask: np.ndarray, values: pd.Series) -> list[str]:
+        return [f"line {line} ({value!r})" for line, value in zip(self.lines[mask], values[mask])]
+
+    def _parse_labels(self, column: pd.Series) -> tuple[np.ndarray, tuple[str, ...]]:
+        blank = (column == "").to_numpy()
+        if blank.any():
+            raise DataError(f"{self.manifest}: empty label in {blank.sum()} row(s): "
+                            + list_rows([f"line {n}" for n in self.lines[blank]]))
+        if column.str.fullmatch(r"[+-]?\d+").all():
+            labels = column.astype(np.int64).to_numpy()
+            negative = labels < 0
+            if negative.any():
+                raise DataError(f"{self.manifest}: negative label(s) in {negative.sum()} row(s): "
+                                + list_rows(self._bad_rows(negative, column)))
+            return labels, default_class_names(int(labels.max()) + 1)
+        names = tuple(sorted(column.unique()))
+        return np.searchsorted(np.array(names), column.to_numpy(dtype=str)).astype(np.int64), names
+
+    def _parse_splits(self, column: pd.Series) -> np.ndarray:
+        splits = column.str.lower()
+        bad = (~splits.isin(SPLITS + ("",))).to_numpy()
+        if bad.any():
+            raise DataError(f"{self.manifest}: split must be train, val, test or empty; "
+                            f"{bad.sum()} row(s) have other values: "
+                            + list_rows(self._bad_rows(bad, column)))
+        return splits.to_numpy(dtype=str)
+
+    def _resolve_paths(self, column: pd.Series) -> list[str]:
+        base = self.manifest.parent
+        paths = [str(base / Path(p).expanduser()) if p else "" for p in column]
+        missing = np.array([not (p and Path(p).is_file()) for p in paths])
+        if missing.any():
+            raise DataError(f"{self.manifest}: {missing.sum()} image file(s) not found (paths are "
+                            f"relative to {base}): " + list_rows(self._bad_rows(missing, column)))
+        return paths
+
+    def sites(self, num_partitions: int) -> np.ndarray | None:
+        return self.site_values
+
+    def row_name(self, row: int) -> str:
+        return f"line {self.lines[row]}"
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        return ImageFileDataset([self.paths[r] for r in rows], self.labels[rows], self.lines[rows],
+                                spec.img_size, str(self.manifest))
+
+
+def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:
+    """``<data_dir>/<flag>.npz``, else ``<flag>_<size>.npz`` (smallest size >= img_size, else largest)."""
+    folder = Path(data_dir).expanduser()
+    exact = folder / f"{flag}.npz"
+    if exact.is_file():
+        return exact
+    sized = {int(m.group(1)): p for p in folder.glob(f"{flag}_*.npz")
+             if (m := re.fullmatch(rf"{re.escape(flag)}_(\d+)\.npz", p.name)) and p.is_file()}
+    if sized:
+        large_enough = [s for s in sized if s >= img_size]
+        return sized[min(large_enough) if large_enough else max(sized)]
+    raise DataError(f"medmnist:{flag}: file {exact} not found (nor {flag}_<size>.npz) in "
+                    f"data_dir {data_dir!r} (absolute: {folder.resolve()})")
+
+
+def source_key(spec: DataSpec) -> tuple:
+    """Hashable identity of the spec's source; files are identified by path, mtime and size."""
+    kind, arg = spec.source_kind, spec.source_arg
+    if kind == "synthetic":
+        return (kind, spec.seed, spec.synthetic_size, spec.synthetic_classes)
+    if kind == "medmnist":
+        path = medmnist_path(arg, spec.data_dir, spec.img_size).resolve()
+    else:
+        path = Path(arg).expanduser().resolve()
+        if not path.is_file():
+            raise DataError(f"{path}: csv manifest not found (dataset {spec.dataset!r})")
+    stat = path.stat()
+    return (kind, arg, str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def open_source_by_key(key: tuple) -> Source:
+    """The source identified by ``source_key(spec)`` (cached)."""
+    kind = key[0]
+    if kind == "synthetic":
+        return SyntheticSource(*key[1:])
+    if kind == "medmnist":
+        return MedmnistSource(key[1], Path(key[2]))
+    return CsvSource(Path(key[2]))
+
+
+def open_source(spec: DataSpec) -> Source:
+    """The (cached) source of ``spec``; raises DataError for missing or malformed files."""
+    return open_source_by_key(source_key(spec))
+
+
+def describe_source(spec: DataSpec) -> tuple[int, list[str]]:
+    """(num_classes, class_names) without loading images; raises DataError for bad files."""
+    source = open_source(spec)
+    return source.num_classes, list(source.class_names)

@@ -1,0 +1,64 @@
+"""What data a run uses (`DataSpec`) and the error the data layer raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SOURCE_KINDS = ("synthetic", "medmnist", "csv")
+PARTITIONS = ("natural", "iid", "dirichlet", "pathological")
+
+
+class DataError(ValueError):
+    """Data that is missing or malformed; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the data comes from and how it is split over clients (hashable, used as cache key)."""
+
+    dataset: str = "synthetic"  # "synthetic" | "medmnist:<flag>" | "csv:<manifest path>"
+    data_dir: str = "data"  # folder of <flag>.npz / <flag>_<size>.npz for medmnist
+    partition: str = "dirichlet"  # natural | iid | dirichlet | pathological
+    dirichlet_alpha: float = 0.5
+    pathological_k: int = 2  # classes per client
+    val_fraction: float = 0.1
+    test_fraction: float = 0.2
+    img_size: int = 32
+    seed: int = 0
+    synthetic_size: int = 2400  # total samples of the synthetic pool
+    synthetic_classes: int = 8
+    use_source_splits: bool = True  # rows with a source split label (medmnist, csv `split`) keep it
+
+    def __post_init__(self) -> None:
+        problems = []
+        kind, _, arg = self.dataset.partition(":")
+        if kind not in SOURCE_KINDS or (kind == "synthetic") == bool(arg):
+            problems.append(f"dataset {self.dataset!r} is not one of synthetic, medmnist:<flag>, "
+                            "csv:<manifest>")
+        if self.partition not in PARTITIONS:
+            problems.append(f"partition {self.partition!r} is not one of {', '.join(PARTITIONS)}")
+        if not self.dirichlet_alpha > 0:
+            problems.append(f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
+        if self.pathological_k < 1:
+            problems.append(f"pathological_k must be >= 1, got {self.pathological_k}")
+        if not (0 <= self.val_fraction < 1 and 0 <= self.test_fraction < 1):
+            problems.append("val_fraction and test_fraction must be in [0, 1)")
+        elif self.val_fraction + self.test_fraction >= 1:
+            problems.append("val_fraction + test_fraction must be < 1, "
+                            f"got {self.val_fraction} + {self.test_fraction}")
+        if self.img_size < 1:
+            problems.append(f"img_size must be >= 1, got {self.img_size}")
+        if self.synthetic_size < 1 or self.synthetic_classes < 2:
+            problems.append("synthetic_size must be >= 1 and synthetic_classes >= 2")
+        if problems:
+            raise DataError("invalid DataSpec: " + "; ".join(problems))
+
+    @property
+    def source_kind(self) -> str:
+        """'synthetic', 'medmnist' or 'csv'."""
+        return self.dataset.partition(":")[0]
+
+    @property
+    def source_arg(self) -> str:
+        """The part after the colon: medmnist flag or csv manifest path ('' for synthetic)."""
+        return self.dataset.partition(":")[2]

@@ -1,0 +1,204 @@
+"""Run the experiments a YAML file lists, then write one comparison table and overlaid curves.
+
+    python -m medflower.experiments experiments/baselines-synthetic.yaml
+
+File layout::
+
+    name: baselines-synthetic      # folder under --output-dir (default outputs/experiments)
+    num-supernodes: 4              # simulated sites
+    seeds: [0, 1, 2]
+    metrics: [auc, accuracy]       # columns of the table (default auc, accuracy, balanced_accuracy)
+    base: {num-rounds: 5}          # run-config shared by every run
+    runs:
+      - {name: fedavg, strategy: fedavg}
+      - {name: local, strategy: local}
+
+Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mode started for
+this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks).
+Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
+over seeds of the final mean-over-clients metrics, bytes per round) and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import ConfigError, ExperimentConfig, defaults, safe_name
+from .results import read_records
+
+DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
+
+
+class ExperimentFileError(ValueError):
+    """The YAML file is malformed; the message names the file and the entry."""
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    """Parse and validate the YAML file; every run's config is validated before anything runs."""
+    if not path.is_file():
+        raise ExperimentFileError(f"experiment file {path} does not exist")
+    plan = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(plan, dict) or not isinstance(plan.get("runs"), list) or not plan["runs"]:
+        raise ExperimentFileError(f"{path}: needs a non-empty 'runs' list")
+    plan.setdefault("name", path.stem)
+    plan.setdefault("seeds", [0])
+    plan.setdefault("num-supernodes", 4)
+    plan.setdefault("metrics", list(DEFAULT_METRICS))
+    plan.setdefault("base", {})
+    names = set()
+    for i, run in enumerate(plan["runs"]):
+        if not isinstance(run, dict) or "name" not in run:
+            raise ExperimentFileError(f"{path}: runs[{i}] needs a 'name'")
+        if run["name"] in names:
+            raise ExperimentFileError(f"{path}: run name {run['name']!r} appears twice")
+        names.add(run["name"])
+        for seed in plan["seeds"]:
+            try:
+                ExperimentConfig.from_run_config({**defaults(), **run_config(plan, run, seed, Path("."))}, check_paths=True)
+            except ConfigError as err:
+                raise ExperimentFileError(f"{path}: run {run['name']!r}: {err}") from err
+    return plan
+
+
+def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
+    config = {**plan["base"], **{k: v for k, v in run.items() if k != "name"}}
+    config.update({"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"})
+    return config
+
+
+def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
+    jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
+    n = int(plan["num-supernodes"])
+    if engine == "inprocess":
+        from .inprocess import run_inprocess
+
+        for i, (run, seed) in enumerate(jobs, 1):
+            print(f"[{i}/{len(jobs)}] {run['name']} seed {seed} (in process)", flush=True)
+            run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n)
+        return
+    from .loopback import LoopbackFederation
+
+    with LoopbackFederation(num_supernodes=n, simulation=True, workdir=out_dir / ".superlink") as fed:
+        for i, (run, seed) in enumerate(jobs, 1):
+            started = time.monotonic()
+            print(f"[{i}/{len(jobs)}] {run['name']} seed {seed}: flwr run ...", flush=True)
+            fed.run_app(run_config(plan, run, seed, out_dir))
+            print(f"[{i}/{len(jobs)}] done in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Mean ± std over seeds of each run's final metrics, plus communication per round."""
+    table: dict[str, Any] = {}
+    for run in plan["runs"]:
+        finals: dict[str, list[float]] = defaultdict(list)
+        for seed in plan["seeds"]:
+            folder = out_dir / f"{safe_name(run['name'])}-seed{seed}"
+            summary_path = folder / "summary.json"
+            if not summary_path.is_file():
+                raise FileNotFoundError(f"run {run['name']!r} seed {seed} left no {summary_path}")
+            summary = json.loads(summary_path.read_text())
+            for metric in plan["metrics"]:
+                finals[metric].append(summary["final"].get(metric))
+            rounds = max(summary["rounds"], 1)
+            finals["bytes_per_round"].append((summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds)
+        table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v))) for m, v in finals.items()}
+    result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table}
+    (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "comparison.md").write_text(comparison_markdown(plan, table))
+    plot_overlay(plan, out_dir)
+    return result
+
+
+def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
+    metrics = list(plan["metrics"])
+    seeds = plan["seeds"]
+    head = f"| run | " + " | ".join(metrics) + " | MB per round |"
+    lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics; "
+             f"{plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + 1)]
+    for name, row in table.items():
+        cells = []
+        for metric in metrics:
+            m, s = row[metric]["mean"], row[metric]["std"]
+            cells.append("–" if m is None else f"{m:.3f} ± {s:.3f}")
+        mb = row["bytes_per_round"]["mean"]
+        cells.append("–" if mb is None else f"{mb / 1e6:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
+    """Mean-over-clients test metric per round, averaged over seeds, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = list(plan["metrics"])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.3), squeeze=False)
+    for run in plan["runs"]:
+        for ax, metric in zip(axes[0], metrics):
+            per_round: dict[int, list[float]] = defaultdict(list)
+            for seed in plan["seeds"]:
+                evals = [r for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
+                         if r.get("kind") == "eval" and isinstance(r.get(metric), (int, float))]
+                by_round: dict[int, list[float]] = defaultdict(list)
+                for r in evals:
+                    by_round[r["round"]].append(r[metric])
+                for rnd, vals in by_round.items():
+                    per_round[rnd].append(statistics.fmean(vals))
+            if per_round:
+                xs = sorted(per_round)
+                ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], marker="o", ms=3, label=run["name"])
+    for ax, metric in zip(axes[0], metrics):
+        ax.set_title(metric)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(plan["name"])
+    fig.tight_layout()
+    fig.savefig(out_dir / "curves.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m medflower.experiments", description=__doc__.split("\n")[0])
+    parser.add_argument("file", type=Path, help="experiments/<name>.yaml")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/experiments"))
+    parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr",
+                        help="flwr: every run through `flwr run` (default); inprocess: quick checks")
+    parser.add_argument("--compare-only", action="store_true", help="only rebuild the table and curves")
+    args = parser.parse_args(argv)
+    try:
+        plan = load_plan(args.file)
+    except ExperimentFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out_dir = args.output_dir / safe_name(plan["name"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.compare_only:
+        execute(plan, out_dir, args.engine)
+    result = compare(plan, out_dir)
+    print((out_dir / "comparison.md").read_text())
+    print(f"written: {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, {out_dir / 'curves.png'}")
+    return 0 if result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

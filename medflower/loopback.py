@@ -1,0 +1,186 @@
+"""Start a real SuperLink and SuperNodes on loopback, run the app through ``flwr run``, stop them.
+
+Used by the end-to-end tests and the benchmark; it is also the scripted form of the README's
+"deployment by hand" steps. Every process gets its own ports and a private ``FLWR_HOME``, and
+only the processes started here are stopped (each in its own process group).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+APP_DIR = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f}s")
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value as TOML for ``--run-config``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return "'" + str(value).replace("'", "") + "'"
+
+
+def run_config_arg(config: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={toml_value(v)}" for k, v in config.items())
+
+
+@dataclass
+class LoopbackFederation:
+    """One SuperLink (deployment or simulation mode) and N SuperNodes on 127.0.0.1."""
+
+    num_supernodes: int = 2
+    simulation: bool = False
+    workdir: Path | None = None
+    node_configs: list[dict[str, Any]] = field(default_factory=list)
+    superlink_args: list[str] = field(default_factory=list)
+    supernode_args: list[str] = field(default_factory=list)
+    connection_extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._tmp = None
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="medflower-loopback-")
+            self.workdir = Path(self._tmp.name)
+        self.workdir = Path(self.workdir)
+        self.flwr_home = self.workdir / "flwr-home"
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        # Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTP port.
+        self.port, self.health_port = free_port(), free_port()
+        self.superlink: subprocess.Popen | None = None
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        return subprocess.Popen(cmd, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start_superlink(self) -> None:
+        cmd = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port),
+               "--health-server-address", f"127.0.0.1:{self.health_port}",
+               "--database", str(self.workdir / "superlink.db"),
+               "--disable-runtime-dependency-installation"]
+        cmd += ["--simulation"] if self.simulation else []
+        cmd += self.superlink_args or ["--insecure"]
+        self.superlink = self._spawn("superlink", cmd)
+        wait_for_port(self.port)
+
+    def start_supernode(self, index: int, extra_args: list[str] | None = None) -> subprocess.Popen:
+        node_config = {"partition-id": index, "num-partitions": self.num_supernodes,
+                       **(self.node_configs[index] if index < len(self.node_configs) else {})}
+        node_config_arg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
+        cmd = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}",
+               "--port", str(free_port()), "--node-config", node_config_arg,
+               "--health-server-address", f"127.0.0.1:{free_port()}"]
+        cmd += (self.supernode_args or ["--insecure"]) + (extra_args or [])
+        self.supernodes[index] = self._spawn(f"supernode-{index}", cmd)
+        return self.supernodes[index]
+
+    def write_connection(self) -> str:
+        lines = ["[superlink]", 'default = "loopback"', "", "[superlink.loopback]",
+                 f'address = "127.0.0.1:{self.port}"']
+        extra = dict(self.connection_extra) or {"insecure": True}
+        if self.simulation:
+            extra.setdefault("options.num-supernodes", self.num_supernodes)
+        lines += [f"{k} = {toml_value(v).replace(chr(39), chr(34))}" for k, v in extra.items()]
+        (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
+        return "loopback"
+
+    def __enter__(self) -> "LoopbackFederation":
+        try:
+            self.write_connection()
+            self.start_superlink()
+            if not self.simulation:
+                for i in range(self.num_supernodes):
+                    self.start_supernode(i)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def stop(self, proc: subprocess.Popen | None, sig: int = signal.SIGTERM) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=15)
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.supernodes.values():
+            self.stop(proc)
+        self.stop(self.superlink)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # ------------------------------------------------------------------ runs
+    def flwr(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = ["flwr", *args]
+        proc = subprocess.run(cmd, cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n"
+                               f"{self.logs()}")
+        return proc
+
+    def run_app(self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR,
+                extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        """``flwr run <app> loopback --stream --run-config ...`` and wait for the run to end."""
+        args = ["run", str(app_dir), "loopback", "--stream", "--run-config", run_config_arg(run_config), *extra_args]
+        if self.simulation:
+            args += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
+        return self.flwr(*args, timeout=timeout)
+
+    def logs(self, tail: int = 60) -> str:
+        out = []
+        for path in sorted(self.workdir.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            out.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover - manual smoke run
+    with LoopbackFederation(num_supernodes=2) as fed:
+        print(fed.run_app({"num-rounds": 1, "synthetic-size": 200}).stdout)
+        sys.exit(0)

@@ -1,0 +1,108 @@
+"""AdaptedClassifier (frozen timm backbone + adapters + linear head) and build_classifier."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import arrays
+from .adapters import inject_adapter
+from .backbones import backbone_family, create_backbone, resolve_backbone
+from .errors import ModelError
+from .spec import ModelSpec
+
+# Offsets added to spec.seed per build stage, so each stage's init is fixed whatever the earlier stages consumed.
+_ADAPTER_SEED_OFFSET = 1_000_003
+_HEAD_SEED_OFFSET = 2_000_006
+
+
+class AdaptedClassifier(nn.Module):
+    """``head(backbone(x))`` where only the adapter parameters and the head train.
+
+    The exchanged ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward
+    order (block depth ascending, head last) with peft's ``.default`` adapter name stripped.
+    In ``train()`` mode BatchNorm layers of the backbone stay in eval mode, so frozen running statistics
+    never drift locally (they are not exchanged).
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear, adapter_param_names: Iterable[str] = (),
+                 spec: ModelSpec | None = None, weights_source: str = "random"):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.feature_dim = head.in_features
+        self.spec = spec
+        self.weights_source = weights_source
+
+        adapter_params = {f"backbone.{n}" for n in adapter_param_names}
+        raw = [n for n, _ in self.named_parameters() if n in adapter_params or n.startswith("head.")]
+        unknown = adapter_params - set(raw)
+        if unknown:
+            raise ModelError(f"adapter parameters not found in the backbone: {sorted(unknown)[:4]}")
+        clean = [arrays.clean_param_name(n) for n in raw]
+        if len(set(clean)) != len(clean):
+            raise ModelError(f"trainable parameter names collide after cleaning: {clean}")
+        self._trainable_raw = OrderedDict(zip(clean, raw))  # clean name -> name in named_parameters()
+        for name, p in self.named_parameters():
+            p.requires_grad_(name in raw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled backbone features ``[B, feature_dim]``."""
+        return self.backbone(x)
+
+    def train(self, mode: bool = True) -> "AdaptedClassifier":
+        super().train(mode)
+        for m in self.backbone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()  # frozen statistics, see class docstring
+        return self
+
+    def trainable_names(self) -> list[str]:
+        return list(self._trainable_raw)
+
+    def trainable_parameters(self) -> "OrderedDict[str, nn.Parameter]":
+        params = dict(self.named_parameters())
+        return OrderedDict((clean, params[raw]) for clean, raw in self._trainable_raw.items())
+
+    def get_trainable(self) -> "OrderedDict[str, np.ndarray]":
+        """float32 numpy copies of the trainable parameters."""
+        return arrays.to_numpy(self.trainable_parameters())
+
+    def set_trainable(self, values: Mapping[str, np.ndarray], strict: bool = True) -> None:
+        """Copy arrays into the trainable parameters; ModelError (nothing changed) on name/shape mismatch.
+
+        ``strict=False`` skips missing and unknown names (shapes are still checked).
+        """
+        arrays.copy_into(self.trainable_parameters(), values, strict)
+
+    def trainable_spec(self) -> "OrderedDict[str, tuple[tuple[int, ...], str]]":
+        """name -> (shape, dtype) of ``get_trainable()``'s arrays."""
+        return arrays.array_spec(self.trainable_parameters())
+
+
+def build_classifier(spec: ModelSpec, num_classes: int) -> AdaptedClassifier:
+    """Build backbone, load weights, inject the adapter and add a head; deterministic for a given spec."""
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ModelError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+    timm_name = resolve_backbone(spec.backbone)
+    family = backbone_family(timm_name)
+    with torch.random.fork_rng(devices=[]):  # seed locally, leave the caller's RNG untouched
+        backbone, weights_source = create_backbone(timm_name, img_size=spec.img_size, patch_size=spec.patch_size,
+                                                   weights=spec.weights, seed=spec.seed)
+        base_params = {id(p) for p in backbone.parameters()}
+        torch.manual_seed(spec.seed + _ADAPTER_SEED_OFFSET)
+        inject_adapter(backbone, spec.adapter, family, targets=spec.adapter_targets, lora_rank=spec.lora_rank,
+                       lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                       bottleneck_ratio=spec.bottleneck_ratio, backbone_name=spec.backbone)
+        adapter_param_names = [n for n, p in backbone.named_parameters() if id(p) not in base_params]
+        feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
+        torch.manual_seed(spec.seed + _HEAD_SEED_OFFSET)
+        head = nn.Linear(feature_dim, num_classes)
+    return AdaptedClassifier(backbone, head, adapter_param_names, spec=spec, weights_source=weights_source)

@@ -1,0 +1,47 @@
+"""ModelSpec: everything needed to build the same classifier in every process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .adapters import ADAPTERS
+from .backbones import WEIGHT_MODES, resolve_backbone
+from .errors import ModelError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Backbone + adapter configuration; validated on construction (weights files are checked at build time)."""
+
+    backbone: str = "vit-tiny"      # alias (BACKBONE_ALIASES) or any timm model name
+    adapter: str = "lora"           # lora | ia3 | bottleneck | none (head only)
+    img_size: int = 32
+    patch_size: int = 0             # 0 = backbone default; ViTs only
+    weights: str = "auto"           # none | auto | path to a local .safetensors/.pth/.pt/.bin file
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    adapter_targets: tuple[str, ...] = ()   # module-name suffixes (or "a,b" string); () = per-family default
+    bottleneck_ratio: float = 0.25
+    seed: int = 0                   # seeds backbone, adapter and head init: same spec -> identical model
+
+    def __post_init__(self) -> None:
+        # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
+        targets = self.adapter_targets.split(",") if isinstance(self.adapter_targets, str) else self.adapter_targets
+        object.__setattr__(self, "adapter_targets", tuple(t.strip() for t in targets if t.strip()))
+        resolve_backbone(self.backbone)
+        if self.adapter not in ADAPTERS:
+            raise ModelError(f"unknown adapter {self.adapter!r}; choose one of {list(ADAPTERS)}")
+        if not isinstance(self.weights, str) or not self.weights:
+            raise ModelError(f"weights must be one of {list(WEIGHT_MODES)} or a path to a local weights file, "
+                             f"got {self.weights!r}")
+        _check(self.img_size >= 1, "img_size", self.img_size, "an integer >= 1")
+        _check(self.patch_size >= 0, "patch_size", self.patch_size, "0 (backbone default) or an integer >= 1")
+        _check(self.lora_rank >= 1, "lora_rank", self.lora_rank, "an integer >= 1")
+        _check(0.0 <= self.lora_dropout < 1.0, "lora_dropout", self.lora_dropout, "in [0, 1)")
+        _check(self.bottleneck_ratio > 0.0, "bottleneck_ratio", self.bottleneck_ratio, "> 0")
+
+
+def _check(ok: bool, field: str, value: object, valid: str) -> None:
+    if not ok:
+        raise ModelError(f"{field}={value!r} is invalid; it must be {valid}")

@@ -1,0 +1,175 @@
+"""Run outputs: metrics.jsonl, summary.json, summary.md and curves.png (DESIGN.md section 4).
+
+``metrics.jsonl`` has one JSON object per line:
+- ``{"kind": "train"|"eval", "round": r, "client": name, <metric>: value, ...}`` per client;
+- ``{"kind": "server", "round": r, "bytes_up", "bytes_down", "num_failed", "num_rejected", ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+HEADLINE = ("auc", "accuracy", "balanced_accuracy", "loss")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+class RunRecorder:
+    """Writes one run's folder; on resume it continues the same folder after the checkpoint's round."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    # ------------------------------------------------------------------ writing
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        (self.run_dir / "config.json").write_text(json.dumps(dict(config), indent=1, sort_keys=True))
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+
+    def log_client(self, rnd: int, client: str, kind: str, metrics: Mapping[str, float], **extra: Any) -> None:
+        self._append({"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)})
+
+    def log_server(self, rnd: int, **fields: Any) -> None:
+        self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})
+
+    def truncate_after(self, rnd: int) -> None:
+        """Drop records of rounds after ``rnd`` (a resumed run redoes them)."""
+        kept = [r for r in read_records(self.metrics_path) if int(r.get("round", 0)) <= rnd]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    # ------------------------------------------------------------------ reading
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        return [r for r in read_records(self.metrics_path) if kind is None or r.get("kind") == kind]
+
+    def round_summary(self, rnd: int) -> str:
+        evals = [r for r in self.records("eval") if r["round"] == rnd]
+        parts = [f"{m}={v:.3f}" for m in ("auc", "accuracy") if (v := _mean(r.get(m) for r in evals)) is not None]
+        server = [r for r in self.records("server") if r["round"] == rnd]
+        if server:
+            s = server[-1]
+            parts.append(f"up={s['bytes_up'] / 1e6:.2f}MB down={s['bytes_down'] / 1e6:.2f}MB")
+            if s.get("num_failed") or s.get("num_rejected"):
+                parts.append(f"failed={s['num_failed']} rejected={s['num_rejected']}")
+        return f"mean over {len(evals)} clients: " + " ".join(parts)
+
+    def summary(self, strategy: str, dataset: str, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """summary.json's content: the last evaluation of every client and their mean."""
+        last: dict[str, dict[str, Any]] = {}
+        for r in self.records("eval"):
+            last[r["client"]] = r
+        per_client = {
+            c: {k: v for k, v in r.items() if k not in ("kind", "client")} for c, r in sorted(last.items())
+        }
+        metric_names = sorted({k for r in per_client.values() for k, v in r.items()
+                               if k not in ("round", "n") and isinstance(v, (int, float))})
+        final = {m: _mean(r.get(m) for r in per_client.values()) for m in metric_names}
+        server = self.records("server")
+        return {
+            "strategy": strategy,
+            "dataset": dataset,
+            "rounds": max((r["round"] for r in server), default=0),
+            "final": final,
+            "per_client": per_client,
+            "communication": {
+                "bytes_up": sum(r.get("bytes_up", 0) for r in server),
+                "bytes_down": sum(r.get("bytes_down", 0) for r in server),
+                "failed_replies": sum(r.get("num_failed", 0) for r in server),
+                "rejected_replies": sum(r.get("num_rejected", 0) for r in server),
+            },
+            "wall_time_s": round(wall_time_s, 2),
+            **dict(extra or {}),
+        }
+
+    def finish(self, strategy: str, dataset: str, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        summary = self.summary(strategy, dataset, wall_time_s, extra)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "summary.md").write_text(summary_markdown(summary))
+        plot_curves(self.records("eval"), self.run_dir / "curves.png", title=f"{strategy} on {dataset}")
+        return summary
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def summary_markdown(summary: Mapping[str, Any]) -> str:
+    metrics = [m for m in HEADLINE if m in summary["final"]]
+    lines = [
+        f"# {summary['strategy']} on {summary['dataset']}",
+        "",
+        f"{summary['rounds']} rounds, {summary['wall_time_s']} s.",
+        "",
+        "| client | " + " | ".join(metrics) + " |",
+        "|---|" + "---|" * len(metrics),
+    ]
+    for client, values in summary["per_client"].items():
+        lines.append(f"| {client} | " + " | ".join(_fmt(values.get(m)) for m in metrics) + " |")
+    lines.append("| **mean** | " + " | ".join(_fmt(summary["final"].get(m)) for m in metrics) + " |")
+    comm = summary["communication"]
+    lines += [
+        "",
+        "| bytes up | bytes down | failed replies | rejected replies |",
+        "|---|---|---|---|",
+        f"| {comm['bytes_up']:,} | {comm['bytes_down']:,} | {comm['failed_replies']} | {comm['rejected_replies']} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_curves(evals: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per-round test metrics: one thin line per client and the mean in bold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [m for m in ("auc", "accuracy", "balanced_accuracy", "loss") if any(m in r for r in evals)]
+    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(4 * max(len(metrics), 1), 3.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        by_client: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in evals:
+            if isinstance(r.get(metric), (int, float)):
+                by_client[r["client"]].append((r["round"], r[metric]))
+        for client, points in sorted(by_client.items()):
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, lw=0.8, alpha=0.5, label=client)
+        rounds = sorted({r["round"] for r in evals})
+        means = [_mean(r.get(metric) for r in evals if r["round"] == rnd) for rnd in rounds]
+        ax.plot(rounds, means, lw=2.2, color="black", label="mean")
+        ax.set_title(metric)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    if metrics:
+        axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+"""ServerApp: run config -> ExperimentConfig -> strategy -> rounds -> outputs."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from logging import ERROR, INFO
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from .config import ConfigError, ExperimentConfig, safe_name
+from .data import describe_source
+from .models import build_classifier
+from .results import RunRecorder
+from .strategies import STRATEGIES
+from .strategies.base import resolve_checkpoint_dir
+
+app = ServerApp()
+
+
+def run_folder(cfg: ExperimentConfig) -> Path:
+    """The run's folder: resume-from's run folder, else <output-dir>/<run-name>."""
+    if cfg.resume_from:
+        checkpoint = resolve_checkpoint_dir(cfg.resume_from)
+        return checkpoint.parent if checkpoint.name == "checkpoint" else checkpoint
+    name = cfg.run_name or f"{cfg.strategy}-{safe_name(cfg.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"
+    return Path(cfg.output_dir).expanduser() / safe_name(name)
+
+
+def run_experiment(grid: Grid, run_config: dict) -> dict:
+    """Validate, build, run and write outputs; returns summary.json's content."""
+    started = time.monotonic()
+    cfg = ExperimentConfig.from_run_config(run_config)
+    num_classes = cfg.num_classes or describe_source(cfg.data_spec())[0]
+    run_dir = run_folder(cfg)
+    recorder = RunRecorder(run_dir)
+    initial = build_classifier(cfg.model_spec(), num_classes).get_trainable()
+    strategy = STRATEGIES[cfg.strategy](cfg, recorder, initial, num_classes)
+    if cfg.resume_from:
+        strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
+        recorder.truncate_after(strategy.completed_rounds)
+    recorder.write_config(cfg.to_dict())
+    size = sum(v.size for v in initial.values())
+    log(INFO, "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
+        cfg.strategy, cfg.dataset, cfg.backbone, cfg.adapter, size, len(initial), num_classes, run_dir.resolve())
+    elapsed_before = strategy.elapsed_s
+    strategy.run(grid)
+    wall = elapsed_before + (time.monotonic() - started)
+    summary = recorder.finish(cfg.strategy, cfg.dataset, wall)
+    final = ", ".join(f"{k}={v:.4f}" for k, v in summary["final"].items() if k in ("auc", "accuracy") and v is not None)
+    log(INFO, "[medflower] finished %d rounds: %s; summary in %s", summary["rounds"], final, run_dir.resolve())
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    try:
+        run_experiment(grid, dict(context.run_config))
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        log(ERROR, "[medflower] %s", err)
+        raise

@@ -1,0 +1,10 @@
+"""Strategy registry: run-config ``strategy`` name -> server half (which names its client half)."""
+
+from __future__ import annotations
+
+from .base import ClientHalf, FederatedStrategy
+from .fedavg import FedAvg, FedProx, Local
+
+STRATEGIES: dict[str, type[FederatedStrategy]] = {s.name: s for s in (FedAvg, FedProx, Local)}
+
+__all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

@@ -1,0 +1,114 @@
+"""FedAvg, FedProx and local training: the baselines every method is compared against.
+
+What leaves a site: ``fedavg``/``fedprox`` send the trainable arrays (adapters + head) after
+local training and the number of training samples; ``local`` sends only metrics (its model
+never leaves the site). Every strategy sends evaluation metrics on the site's own splits.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from flwr.app import Message, RecordDict
+
+from ..training import train_epochs
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record
+
+
+def proximal_term(model, anchor: Mapping[str, torch.Tensor], mu: float):
+    """FedProx (Li et al. 2020, Eq. 2): (mu/2)·||w − w_global||² over the trainable arrays."""
+    params = model.trainable_parameters()
+
+    def extra_loss(_model, _logits, _labels):
+        return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)
+
+    return extra_loss
+
+
+class FedAvgClient(ClientHalf):
+    """Train the received global adapters + head locally, send them back."""
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        global_arrays = from_record(message.content["arrays"])
+        rt.model.set_trainable(global_arrays)
+        extra = None
+        mu = float(rt.config.get("proximal-mu", 0.0))
+        if mu > 0:
+            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in global_arrays.items()}
+            rt.model.to(rt.device)
+            extra = proximal_term(rt.model, anchor, mu)
+        torch.manual_seed(rt.seed(2))
+        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
+                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        metrics["num-examples"] = len(rt.data.train)
+        return self.reply(arrays=rt.model.get_trainable(), metrics=metrics)
+
+
+class FedAvg(FederatedStrategy):
+    """FedAvg (McMahan et al. 2017): θ ← Σ_k n_k θ_k / Σ_k n_k over the trainable arrays.
+
+    Leaves a site: trainable arrays (adapters + head) and n_k.
+    """
+
+    name = "fedavg"
+    client_half = FedAvgClient
+
+
+class FedProx(FedAvg):
+    """FedProx: FedAvg aggregation; clients add (mu/2)·||θ − θ_global||² (run-config proximal-mu).
+
+    Leaves a site: trainable arrays (adapters + head) and n_k.
+    """
+
+    name = "fedprox"
+
+    def base_config(self, rnd: int, **extra):
+        return super().base_config(rnd, **{"proximal-mu": self.cfg.proximal_mu, **extra})
+
+
+class LocalClient(ClientHalf):
+    """Each site trains its own adapters + head; they stay in its personal state."""
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        personal = PersonalState(rt).load(before=rt.round)
+        rt.model.set_trainable(personal if personal is not None else rt.initial_arrays)
+        torch.manual_seed(rt.seed(2))
+        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
+                               optimizer=rt.optimizer(), device=rt.device)
+        PersonalState(rt).save(rt.round, rt.model.get_trainable())
+        metrics["num-examples"] = len(rt.data.train)
+        return self.reply(metrics=metrics)
+
+    def evaluate(self, message: Message) -> RecordDict:
+        rt = self.rt
+        personal = PersonalState(rt).load(before=rt.round + 1)
+        rt.model.set_trainable(personal if personal is not None else rt.initial_arrays)
+        return self.reply(metrics=rt.evaluate_splits())
+
+
+class Local(FederatedStrategy):
+    """Local training only, no aggregation: the lower bound of collaboration.
+
+    Leaves a site: metrics only. Nothing is sent down but the round's config; a site starts
+    from the same seeded initial arrays as every other strategy.
+    """
+
+    name = "local"
+    client_half = LocalClient
+
+    def reply_spec(self) -> ArraySpec | None:
+        return {}
+
+    def train_content(self, rnd: int, node_id: int) -> RecordDict:
+        return RecordDict({"config": self.base_config(rnd)})
+
+    evaluate_content = train_content
+
+    def state(self):
+        return {}, {}
+
+    def aggregate_train(self, rnd, replies) -> None:
+        """Nothing to aggregate: each site keeps its own model."""

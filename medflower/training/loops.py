@@ -1,0 +1,106 @@
+"""Local training and evaluation loops shared by every method."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .metrics import classification_metrics
+
+# A method's extra loss term: (model, logits, labels) -> scalar tensor (e.g. FedProx's proximal term).
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """auto = cuda, then mps, then cpu."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; a no-op elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class OptimizerSpec:
+    name: str = "adamw"
+    lr: float = 3e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = list(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+
+
+def train_epochs(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    *,
+    epochs: int,
+    optimizer: OptimizerSpec,
+    device: torch.device,
+    extra_loss: ExtraLoss | None = None,
+) -> dict[str, float]:
+    """Cross-entropy training of the parameters that require grad; returns mean loss and steps."""
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer.build(params)
+    total, steps, seen = 0.0, 0, 0
+    for _ in range(epochs):
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), y)
+                if extra_loss is not None:
+                    loss = loss + extra_loss(model, logits, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower lr")
+            total += loss.item() * len(y)
+            seen += len(y)
+            steps += 1
+    return {"train_loss": total / max(seen, 1), "train_steps": float(steps)}
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and softmax probabilities over a loader."""
+    model.to(device).eval()
+    ys, ps = [], []
+    for x, y in loader:
+        with autocast(device):
+            logits = model(x.to(device))
+        ps.append(torch.softmax(logits.float(), dim=1).cpu().numpy())
+        ys.append(y.numpy())
+    return np.concatenate(ys), np.concatenate(ps)
+
+
+def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> dict[str, float]:
+    """loss, accuracy, balanced accuracy, AUC and n on one split."""
+    y, probs = predict(model, loader, device)
+    eps = 1e-12
+    loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + eps)))
+    return {"loss": loss, **classification_metrics(y, probs), "n": float(len(y))}
