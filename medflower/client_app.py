@@ -23,6 +23,5 @@ def handle(message: Message, context: Context) -> Message:
 app.query()(handle)
 app.train()(handle)
 app.evaluate()(handle)
-for _strategy in STRATEGIES.values():
-    for _category, _action in _strategy.extra_actions:
-        getattr(app, _category)(_action)(handle)
+for _category, _action in sorted({a for s in STRATEGIES.values() for a in s.extra_actions}):
+    getattr(app, _category)(_action)(handle)

@@ -70,10 +70,24 @@ def load_plan(path: Path) -> dict[str, Any]:
     return plan
 
 
+def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
+    """Relative data/weights paths are meant from where this command runs, not from the SuperLink's folder."""
+    out = dict(config)
+    if "data-dir" in out:
+        out["data-dir"] = str(Path(out["data-dir"]).expanduser().resolve())
+    dataset = str(out.get("dataset", ""))
+    if dataset.startswith("csv:"):
+        out["dataset"] = "csv:" + str(Path(dataset[4:]).expanduser().resolve())
+    weights = out.get("backbone-weights")
+    if isinstance(weights, str) and weights not in ("none", "auto"):
+        out["backbone-weights"] = str(Path(weights).expanduser().resolve())
+    return out
+
+
 def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
     config = {**plan["base"], **{k: v for k, v in run.items() if k != "name"}}
     config.update({"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"})
-    return config
+    return absolute_paths(config)
 
 
 def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
@@ -129,7 +143,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     metrics = list(plan["metrics"])
     seeds = plan["seeds"]
-    head = f"| run | " + " | ".join(metrics) + " | MB per round |"
+    head = "| run | " + " | ".join(metrics) + " | MB per round |"
     lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics; "
              f"{plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + 1)]
     for name, row in table.items():

@@ -69,7 +69,7 @@ class LoopbackFederation:
         if self.workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="medflower-loopback-")
             self.workdir = Path(self._tmp.name)
-        self.workdir = Path(self.workdir)
+        self.workdir = Path(self.workdir).resolve()
         self.flwr_home = self.workdir / "flwr-home"
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         # Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTP port.

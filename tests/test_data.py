@@ -207,6 +207,16 @@ def test_medmnist_keeps_source_splits(tmp_path):
     assert torch.allclose(x[:, 0], x[:, 0, :1, :1].expand_as(x[:, 0]))  # constant image stays constant
 
 
+@pytest.mark.parametrize("partition", ["dirichlet", "pathological", "iid"])
+def test_every_partition_gets_rows_of_every_source_split(tmp_path, partition):
+    """Rows are shuffled before partitioning: no site ends up with only official train rows."""
+    write_npz(tmp_path / "pneumoniamnist.npz", sizes=(300, 60, 90), num_classes=2)
+    spec = DataSpec(dataset="medmnist:pneumoniamnist", data_dir=str(tmp_path), partition=partition,
+                    dirichlet_alpha=0.5, pathological_k=2)
+    for client in all_clients(spec, 3):
+        assert len(client.train) and len(client.val) and len(client.test), (partition, client.partition_id)
+
+
 def test_medmnist_without_source_splits_resplits(tmp_path):
     write_npz(tmp_path / "foomnist.npz", sizes=(60, 20, 30), rgb=True)
     spec = DataSpec(dataset="medmnist:foomnist", data_dir=str(tmp_path), partition="iid",

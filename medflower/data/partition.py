@@ -57,12 +57,16 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
         "label": source.labels,
         "site": sites if sites is not None else np.full(len(source), ""),
     })
+    if partition != "natural":
+        # Partitioners hand out rows of a class in table order; shuffling first keeps a
+        # partition from being, e.g., all of a source's official train rows and none of its test rows.
+        table = table.shuffle(seed=seed).flatten_indices()
     try:
         if partition == "dirichlet":
             partitioner = _dirichlet(table, num_partitions, alpha, seed)
         else:
             partitioner = _partitioner(partition, num_partitions, k, seed)
-            partitioner.dataset = table.shuffle(seed=seed) if partition == "iid" else table
+            partitioner.dataset = table
         rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions))
     except ValueError as exc:
         raise DataError(f"{source.name}: cannot make a {partition!r} partitioning into "

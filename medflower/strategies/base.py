@@ -35,7 +35,6 @@ from ..models import AdaptedClassifier, build_classifier
 from ..results import RunRecorder
 from ..training import OptimizerSpec, evaluate, pick_device
 
-Arrays = "OrderedDict[str, np.ndarray]"
 ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
 
 

@@ -74,11 +74,11 @@ def train_epochs(
                 loss = F.cross_entropy(logits.float(), y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model, logits, y)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower lr")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower lr")
             total += loss.item() * len(y)
             seen += len(y)
             steps += 1

@@ -1,0 +1,49 @@
+"""Run outputs: summary from metrics.jsonl, truncation on resume, tables and plots."""
+
+import json
+import math
+
+from medflower.results import RunRecorder, summary_markdown
+from medflower.training import auc_score, classification_metrics
+
+import numpy as np
+
+
+def test_summary_uses_each_clients_last_evaluation(tmp_path):
+    rec = RunRecorder(tmp_path / "run")
+    rec.log_client(1, "a", "eval", {"auc": 0.6, "accuracy": 0.5})
+    rec.log_client(1, "b", "eval", {"auc": 0.8, "accuracy": 0.7})
+    rec.log_client(2, "a", "eval", {"auc": 0.9, "accuracy": 0.8})
+    rec.log_server(1, bytes_up=10, bytes_down=20, num_failed=0, num_rejected=0)
+    rec.log_server(2, bytes_up=10, bytes_down=20, num_failed=1, num_rejected=0)
+    summary = rec.finish("fedavg", "synthetic", 1.0)
+    assert summary["rounds"] == 2
+    assert summary["per_client"]["a"]["auc"] == 0.9 and summary["per_client"]["b"]["auc"] == 0.8
+    assert math.isclose(summary["final"]["auc"], 0.85)
+    assert summary["communication"] == {"bytes_up": 20, "bytes_down": 40, "failed_replies": 1, "rejected_replies": 0}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    assert "| **mean** | 0.8500" in summary_markdown(summary)
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_truncate_after_drops_later_rounds_and_nan_is_null(tmp_path):
+    rec = RunRecorder(tmp_path)
+    for rnd in (1, 2, 3):
+        rec.log_client(rnd, "a", "eval", {"auc": float("nan") if rnd == 1 else 0.5})
+    rec.truncate_after(2)
+    rounds = [r["round"] for r in rec.records()]
+    assert rounds == [1, 2]
+    assert rec.records()[0]["auc"] is None
+
+
+def test_auc_binary_multiclass_and_missing_classes():
+    y = np.array([0, 0, 1, 1])
+    probs = np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
+    assert auc_score(y, probs) == 1.0
+    # 3-class scores, class 2 absent from y: macro OvR over present classes only.
+    y3 = np.array([0, 0, 1, 1])
+    p3 = np.array([[0.8, 0.1, 0.1], [0.5, 0.3, 0.2], [0.2, 0.7, 0.1], [0.1, 0.6, 0.3]])
+    assert auc_score(y3, p3) == 1.0
+    assert math.isnan(auc_score(np.array([1, 1]), probs[:2]))
+    m = classification_metrics(y, probs)
+    assert m["accuracy"] == 1.0 and m["balanced_accuracy"] == 1.0
