@@ -76,7 +76,9 @@ def _strategy_check(v: str) -> str | None:
 
 def _dataset_check(v: str) -> str | None:
     kind = v.split(":", 1)[0]
-    valid = "valid choices are synthetic, medmnist:<flag>, csv:<manifest.csv>"
+    valid = "valid choices are synthetic, medmnist:<flag>, csv:<manifest.csv>, site"
+    if v == "site":
+        return None
     if kind not in SOURCE_KINDS:
         return valid
     if kind == "synthetic" and v != "synthetic":
@@ -119,7 +121,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
     Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
     # --- data
-    Option("dataset", "synthetic", "synthetic | medmnist:<flag> | csv:<manifest.csv>", _dataset_check, "data"),
+    Option("dataset", "synthetic", "synthetic | medmnist:<flag> | csv:<manifest.csv> | site (each SuperNode's node-config data-path; needs num-classes)", _dataset_check, "data"),
     Option("data-dir", "data", "folder holding <flag>.npz for medmnist sources", None, "data"),
     Option("partition", "dirichlet", "how data is split over clients", one_of(*PARTITIONS), "data"),
     Option("dirichlet-alpha", 0.5, "Dirichlet concentration of the label skew", positive, "data"),
@@ -238,6 +240,8 @@ class ExperimentConfig:
         if self.val_fraction + self.test_fraction >= 1:
             raise _bad("test-fraction", self.test_fraction,
                        f"val-fraction + test-fraction must be < 1 (val-fraction = {self.val_fraction})")
+        if self.dataset == "site" and self.num_classes == 0:
+            raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
             self.check_data_paths()
 
@@ -255,13 +259,13 @@ class ExperimentConfig:
 
     # ----- views for the layers
     def data_spec(self, **overrides: Any) -> DataSpec:
-        spec = DataSpec(
+        fields = dict(
             dataset=self.dataset, data_dir=self.data_dir, partition=self.partition,
             dirichlet_alpha=self.dirichlet_alpha, pathological_k=self.pathological_k,
             val_fraction=self.val_fraction, test_fraction=self.test_fraction, img_size=self.img_size,
             seed=self.seed, synthetic_size=self.synthetic_size, use_source_splits=self.use_source_splits,
         )
-        return dataclasses.replace(spec, **overrides) if overrides else spec
+        return DataSpec(**{**fields, **overrides})
 
     def model_spec(self) -> ModelSpec:
         targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())

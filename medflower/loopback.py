@@ -60,9 +60,8 @@ class LoopbackFederation:
     simulation: bool = False
     workdir: Path | None = None
     node_configs: list[dict[str, Any]] = field(default_factory=list)
-    superlink_args: list[str] = field(default_factory=list)
-    supernode_args: list[str] = field(default_factory=list)
-    connection_extra: dict[str, Any] = field(default_factory=dict)
+    tls_dir: Path | None = None  # made by docker/make_certs.py: ca.crt, superlink.crt/.key
+    auth_keys: dict[int, Path] = field(default_factory=dict)  # supernode index -> private key (.pub beside it)
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -75,7 +74,8 @@ class LoopbackFederation:
         # Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTP port.
         self.port, self.health_port = free_port(), free_port()
         self.superlink: subprocess.Popen | None = None
-        self.supernodes: dict[int, subprocess.Popen] = {}
+        self.supernodes: dict[str, subprocess.Popen] = {}
+        self.runs: list[subprocess.Popen] = []
         self.env = {
             **os.environ,
             "FLWR_HOME": str(self.flwr_home),
@@ -98,25 +98,43 @@ class LoopbackFederation:
                "--database", str(self.workdir / "superlink.db"),
                "--disable-runtime-dependency-installation"]
         cmd += ["--simulation"] if self.simulation else []
-        cmd += self.superlink_args or ["--insecure"]
+        if self.tls_dir:
+            t = Path(self.tls_dir)
+            cmd += ["--ssl-ca-certfile", str(t / "ca.crt"), "--ssl-certfile", str(t / "superlink.crt"),
+                    "--ssl-keyfile", str(t / "superlink.key")]
+        else:
+            cmd += ["--insecure"]
+        if self.auth_keys:
+            cmd += ["--enable-supernode-auth"]
         self.superlink = self._spawn("superlink", cmd)
         wait_for_port(self.port)
 
-    def start_supernode(self, index: int, extra_args: list[str] | None = None) -> subprocess.Popen:
+    def register(self, public_key: Path) -> subprocess.CompletedProcess:
+        """``flwr supernode register <key.pub> loopback`` (SuperNode authentication)."""
+        return self.flwr("supernode", "register", str(public_key), "loopback", timeout=60)
+
+    def start_supernode(self, index: int, key: Path | None = None, name: str | None = None) -> subprocess.Popen:
+        """Start SuperNode ``index`` (data partition ``index``) as ``name`` (default supernode-<index>);
+        ``key`` overrides its authentication key (e.g. an unregistered one)."""
+        name = name or f"supernode-{index}"
         node_config = {"partition-id": index, "num-partitions": self.num_supernodes,
                        **(self.node_configs[index] if index < len(self.node_configs) else {})}
         node_config_arg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
         cmd = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}",
                "--port", str(free_port()), "--node-config", node_config_arg,
                "--health-server-address", f"127.0.0.1:{free_port()}"]
-        cmd += (self.supernode_args or ["--insecure"]) + (extra_args or [])
-        self.supernodes[index] = self._spawn(f"supernode-{index}", cmd)
-        return self.supernodes[index]
+        cmd += ["--root-certificates", str(Path(self.tls_dir) / "ca.crt")] if self.tls_dir else ["--insecure"]
+        key = key or self.auth_keys.get(index)
+        if key is not None:
+            cmd += ["--auth-supernode-private-key", str(key), "--auth-supernode-public-key", str(Path(key).with_suffix(".pub"))]
+        self.supernodes[name] = self._spawn(name, cmd)
+        return self.supernodes[name]
 
     def write_connection(self) -> str:
         lines = ["[superlink]", 'default = "loopback"', "", "[superlink.loopback]",
                  f'address = "127.0.0.1:{self.port}"']
-        extra = dict(self.connection_extra) or {"insecure": True}
+        extra: dict[str, Any] = ({"root-certificates": str(Path(self.tls_dir) / "ca.crt")} if self.tls_dir
+                                 else {"insecure": True})
         if self.simulation:
             extra.setdefault("options.num-supernodes", self.num_supernodes)
         lines += [f"{k} = {toml_value(v).replace(chr(39), chr(34))}" for k, v in extra.items()]
@@ -127,6 +145,8 @@ class LoopbackFederation:
         try:
             self.write_connection()
             self.start_superlink()
+            for index, key in sorted(self.auth_keys.items()):
+                self.register(Path(key).with_suffix(".pub"))
             if not self.simulation:
                 for i in range(self.num_supernodes):
                     self.start_supernode(i)
@@ -149,7 +169,7 @@ class LoopbackFederation:
             proc.wait(timeout=15)
 
     def __exit__(self, *exc) -> None:
-        for proc in self.supernodes.values():
+        for proc in [*self.runs, *self.supernodes.values()]:
             self.stop(proc)
         self.stop(self.superlink)
         if self._tmp is not None:
@@ -164,13 +184,21 @@ class LoopbackFederation:
                                f"{self.logs()}")
         return proc
 
-    def run_app(self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR,
-                extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        """``flwr run <app> loopback --stream --run-config ...`` and wait for the run to end."""
-        args = ["run", str(app_dir), "loopback", "--stream", "--run-config", run_config_arg(run_config), *extra_args]
+    def run_args(self, run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> list[str]:
+        args = ["flwr", "run", str(app_dir), "loopback", "--stream", "--run-config", run_config_arg(run_config)]
         if self.simulation:
             args += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
-        return self.flwr(*args, timeout=timeout)
+        return args
+
+    def run_app(self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
+        """``flwr run <app> loopback --stream --run-config ...`` and wait for the run to end."""
+        return self.flwr(*self.run_args(run_config, app_dir)[1:], timeout=timeout)
+
+    def start_run(self, run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> subprocess.Popen:
+        """The same in the background (to kill things while it runs); output in flwr-run.log."""
+        proc = self._spawn(f"flwr-run-{len(self.runs)}", self.run_args(run_config, app_dir))
+        self.runs.append(proc)
+        return proc
 
     def logs(self, tail: int = 60) -> str:
         out = []

@@ -1,6 +1,7 @@
 """Data layer: sources (synthetic, MedMNIST npz, csv manifests), client partitions, loaders."""
 
 from .client import ClientData, load_client_data
+from .site import site_data_spec
 from .sources import describe_source
 from .spec import PARTITIONS, SOURCE_KINDS, DataError, DataSpec
 from .transforms import make_loader
@@ -14,4 +15,5 @@ __all__ = [
     "describe_source",
     "load_client_data",
     "make_loader",
+    "site_data_spec",
 ]

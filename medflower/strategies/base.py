@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -30,7 +31,7 @@ from flwr.serverapp import Grid
 from safetensors.numpy import load_file, save_file
 
 from ..config import ExperimentConfig
-from ..data import ClientData, load_client_data, make_loader
+from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
 from ..models import AdaptedClassifier, build_classifier
 from ..results import RunRecorder
 from ..training import OptimizerSpec, evaluate, pick_device
@@ -396,14 +397,24 @@ class ClientRuntime:
     config: dict[str, Any]
     partition_id: int
     num_partitions: int
+    data_path: str | None = None
 
     @classmethod
     def from_message(cls, message: Message, context: Context) -> "ClientRuntime":
+        """Site identity from the node config: its own ``data-path``, or a ``partition-id`` of shared data."""
         cfg = ExperimentConfig.from_run_config(context.run_config, check_paths=False)
         node = context.node_config
-        if "partition-id" not in node or "num-partitions" not in node:
-            raise ValueError(f"node-config needs partition-id and num-partitions (got {dict(node)})")
         config = dict(message.content["config"]) if "config" in message.content.config_records else {}
+        data_path = str(node["data-path"]) if node.get("data-path") else None
+        if data_path is None and cfg.dataset == "site":
+            raise DataError("run-config dataset='site' but this SuperNode's node-config has no data-path")
+        if data_path is not None:
+            # A stable id for seeds and ordering when the site does not give one.
+            name = str(node.get("site-name") or data_path)
+            partition_id = int(node.get("partition-id", zlib.crc32(name.encode()) % 1_000_000))
+            return cls(cfg, context, config, partition_id, 1, data_path)
+        if "partition-id" not in node or "num-partitions" not in node:
+            raise DataError(f"node-config needs data-path, or partition-id and num-partitions (got {dict(node)})")
         return cls(cfg, context, config, int(node["partition-id"]), int(node["num-partitions"]))
 
     @property
@@ -412,7 +423,16 @@ class ClientRuntime:
 
     @functools.cached_property
     def data(self) -> ClientData:
-        return _cached_data(self.cfg.data_spec(), self.partition_id, self.num_partitions)
+        if self.data_path is not None:
+            base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
+            data = _cached_data(site_data_spec(base, self.data_path), 0, 1)
+        else:
+            data = _cached_data(self.cfg.data_spec(), self.partition_id, self.num_partitions)
+        expected = int(self.config.get("num-classes") or data.num_classes)
+        if data.num_classes > expected:
+            raise DataError(f"{self.data_path or self.cfg.dataset}: this site has {data.num_classes} classes "
+                            f"but the run's model has {expected} (run-config num-classes)")
+        return data
 
     @functools.cached_property
     def _build(self) -> tuple[AdaptedClassifier, "OrderedDict[str, np.ndarray]"]:

@@ -1,0 +1,117 @@
+"""Multi-site deployment on loopback: TLS, authenticated SuperNodes, faults survived, resume.
+
+Real flower-superlink / flower-supernode processes, own ports, a temporary FLWR_HOME; each test
+stops only what it started (medflower.loopback.LoopbackFederation).
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medflower.loopback import LoopbackFederation
+from medflower.strategies.base import Checkpointer
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+
+if shutil.which("flower-superlink") is None:  # pragma: no cover
+    pytest.skip("flwr CLI not installed", allow_module_level=True)
+
+SMALL = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
+         "batch-size": 32, "partition": "iid"}
+
+
+def make_keys(folder: Path, sites: list[str]) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "docker" / "make_certs.py"), "--out", str(folder), "--sites", *sites],
+                   check=True, capture_output=True)
+    return folder
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(1)
+    raise TimeoutError(f"waited {timeout:.0f}s for {what}")
+
+
+def server_rounds(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r["round"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "server"]
+
+
+def test_tls_and_supernode_auth_refuse_an_unregistered_key(tmp_path):
+    """3 authenticated SuperNodes over TLS run 2 rounds; a 4th with an unregistered key never takes part."""
+    certs = make_keys(tmp_path / "certs", ["site-0", "site-1", "site-2", "intruder"])
+    keys = {i: certs / "supernodes" / f"site-{i}.key" for i in range(3)}
+    out = tmp_path / "outputs"
+    with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed", tls_dir=certs, auth_keys=keys) as fed:
+        fed.start_supernode(2, key=certs / "supernodes" / "intruder.key", name="intruder")
+        proc = fed.run_app({**SMALL, "num-rounds": 2, "min-nodes": 3, "output-dir": str(out), "run-name": "tls"})
+        summary = json.loads((out / "tls" / "summary.json").read_text())
+        intruder_log = (fed.workdir / "intruder.log").read_text()
+        assert "round 2/2 done" in proc.stdout
+    assert sorted(summary["per_client"]) == ["site-0", "site-1", "site-2"]
+    # Three sites answered every message: the intruder never got a node id.
+    assert summary["communication"]["failed_replies"] == 0
+    assert "intruder" not in json.dumps(summary)
+    assert any(word in intruder_log.lower() for word in ("unauth", "permission", "denied", "not registered", "401", "403"))
+
+
+def test_insecure_connection_to_tls_superlink_is_refused(tmp_path):
+    certs = make_keys(tmp_path / "certs", [])
+    with LoopbackFederation(num_supernodes=0, workdir=tmp_path / "fed", tls_dir=certs) as fed:
+        fed.write_connection()
+        config = fed.flwr_home / "config.toml"
+        config.write_text(config.read_text().replace(f'root-certificates = "{certs / "ca.crt"}"', "insecure = true"))
+        proc = fed.flwr("ls", "loopback", check=False, timeout=60)
+    assert proc.returncode != 0
+
+
+def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
+    out = tmp_path / "outputs"
+    run_dir = out / "kill"
+    with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
+        fed.start_run({**SMALL, "num-rounds": 4, "min-nodes": 3, "round-timeout": 40.0,
+                       "output-dir": str(out), "run-name": "kill"})
+        wait_for(lambda: 1 in server_rounds(run_dir), 300, "round 1")
+        fed.stop(fed.supernodes["supernode-2"], signal.SIGKILL)
+        wait_for(lambda: 2 in server_rounds(run_dir), 300, "round 2 without site 2")
+        fed.start_supernode(2)
+        wait_for(lambda: (run_dir / "summary.json").is_file(), 600, "the run to finish")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = {rnd: {r["client"] for r in records if r["kind"] == "train" and r["round"] == rnd} for rnd in (1, 2, 3, 4)}
+    assert trained[1] == {"site-0", "site-1", "site-2"}
+    assert "site-2" not in trained[2]
+    assert trained[4] == {"site-0", "site-1", "site-2"}, "the returning site takes part again"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["communication"]["failed_replies"] >= 1
+
+
+def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
+    out = tmp_path / "outputs"
+    config = {**SMALL, "num-rounds": 3, "min-nodes": 2, "output-dir": str(out)}
+    with LoopbackFederation(num_supernodes=2, workdir=tmp_path / "fed") as fed:
+        fed.run_app({**config, "run-name": "reference"})
+        fed.start_run({**config, "run-name": "crashed"})
+        wait_for(lambda: 1 in server_rounds(out / "crashed"), 300, "round 1 of the crashed run")
+        fed.stop(fed.runs[-1], signal.SIGKILL)
+        fed.stop(fed.superlink, signal.SIGKILL)  # the SuperLink and the ServerApp it runs
+        assert Checkpointer(out / "crashed" / "checkpoint").load()[1]["completed_rounds"] >= 1
+        fed.start_superlink()
+        fed.run_app({**config, "resume-from": str(out / "crashed")})
+    ref, _ = Checkpointer(out / "reference" / "checkpoint").load()
+    got, meta = Checkpointer(out / "crashed" / "checkpoint").load()
+    assert meta["completed_rounds"] == 3
+    for name in ref:
+        np.testing.assert_array_equal(ref[name], got[name])
