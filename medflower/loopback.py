@@ -126,7 +126,7 @@ class LoopbackFederation:
         cmd += ["--root-certificates", str(Path(self.tls_dir) / "ca.crt")] if self.tls_dir else ["--insecure"]
         key = key or self.auth_keys.get(index)
         if key is not None:
-            cmd += ["--auth-supernode-private-key", str(key), "--auth-supernode-public-key", str(Path(key).with_suffix(".pub"))]
+            cmd += ["--auth-supernode-private-key", str(key)]  # flwr 1.41 derives the public key
         self.supernodes[name] = self._spawn(name, cmd)
         return self.supernodes[name]
 
@@ -168,10 +168,35 @@ class LoopbackFederation:
                 pass
             proc.wait(timeout=15)
 
+    def _leftovers(self) -> list[int]:
+        """Processes of ours that left our process groups (flwr-simulation, ServerApp, ClientApp
+        processes started by the SuperLink/SuperNodes name our port or work folder)."""
+        marks = (f"127.0.0.1:{self.port}", str(self.workdir))
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if any(mark in cmdline for mark in marks):
+                found.append(int(entry.name))
+        return found
+
     def __exit__(self, *exc) -> None:
         for proc in [*self.runs, *self.supernodes.values()]:
             self.stop(proc)
         self.stop(self.superlink)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            leftovers = self._leftovers()
+            for pid in leftovers:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            if leftovers and sig == signal.SIGTERM:
+                time.sleep(3)
         if self._tmp is not None:
             self._tmp.cleanup()
 

@@ -65,7 +65,7 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_key(tmp_path):
     # Three sites answered every message: the intruder never got a node id.
     assert summary["communication"]["failed_replies"] == 0
     assert "intruder" not in json.dumps(summary)
-    assert any(word in intruder_log.lower() for word in ("unauth", "permission", "denied", "not registered", "401", "403"))
+    assert "Failed to activate SuperNode" in intruder_log
 
 
 def test_insecure_connection_to_tls_superlink_is_refused(tmp_path):
@@ -100,7 +100,7 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
 
 def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     out = tmp_path / "outputs"
-    config = {**SMALL, "num-rounds": 3, "min-nodes": 2, "output-dir": str(out)}
+    config = {**SMALL, "num-rounds": 2, "min-nodes": 2, "output-dir": str(out)}
     with LoopbackFederation(num_supernodes=2, workdir=tmp_path / "fed") as fed:
         fed.run_app({**config, "run-name": "reference"})
         fed.start_run({**config, "run-name": "crashed"})
@@ -112,6 +112,6 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
         fed.run_app({**config, "resume-from": str(out / "crashed")})
     ref, _ = Checkpointer(out / "reference" / "checkpoint").load()
     got, meta = Checkpointer(out / "crashed" / "checkpoint").load()
-    assert meta["completed_rounds"] == 3
+    assert meta["completed_rounds"] == 2
     for name in ref:
         np.testing.assert_array_equal(ref[name], got[name])
