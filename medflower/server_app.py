@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from datetime import datetime
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
@@ -36,6 +37,11 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     cfg = ExperimentConfig.from_run_config(run_config)
     num_classes = cfg.num_classes or describe_source(cfg.data_spec())[0]
     run_dir = run_folder(cfg)
+    if not cfg.resume_from and run_dir.exists():
+        log(WARNING, "[medflower] %s exists: starting over there (use resume-from to continue it)", run_dir.resolve())
+        for stale in ("metrics.jsonl", "summary.json", "summary.md", "curves.png", "checkpoint", "client-state"):
+            path = run_dir / stale
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     recorder = RunRecorder(run_dir)
     initial = build_classifier(cfg.model_spec(), num_classes).get_trainable()
     strategy = STRATEGIES[cfg.strategy](cfg, recorder, initial, num_classes)

@@ -169,3 +169,11 @@ def test_local_sends_no_arrays_and_sites_differ(tiny):
     states = [load_file(str(sorted((run_dir_of(config) / "client-state" / f"partition-{p}" / "personal").glob("*"))[-1]))
               for p in range(2)]
     assert any(not np.array_equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_a_new_run_in_an_existing_folder_starts_over(tiny):
+    config = tiny(**{"run-name": "again", "num-rounds": 1})
+    run_inprocess(config, num_nodes=2)
+    summary, _ = run_inprocess(config, num_nodes=2)
+    assert summary["rounds"] == 1
+    assert len(records(run_dir_of(config), "server")) == 1
