@@ -8,7 +8,6 @@ the key, the bad value and what is valid.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 import sys

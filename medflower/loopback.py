@@ -62,6 +62,8 @@ class LoopbackFederation:
     node_configs: list[dict[str, Any]] = field(default_factory=list)
     tls_dir: Path | None = None  # made by docker/make_certs.py: ca.crt, superlink.crt/.key
     auth_keys: dict[int, Path] = field(default_factory=dict)  # supernode index -> private key (.pub beside it)
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_ADDRESS to use an existing Ray cluster
+    federation_config: dict[str, Any] = field(default_factory=dict)  # simulation, e.g. client-resources-num-cpus
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -84,6 +86,7 @@ class LoopbackFederation:
             "FLWR_TELEMETRY_ENABLED": "0",
             "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
         }
 
     # ------------------------------------------------------------------ processes
@@ -212,7 +215,8 @@ class LoopbackFederation:
     def run_args(self, run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> list[str]:
         args = ["flwr", "run", str(app_dir), "loopback", "--stream", "--run-config", run_config_arg(run_config)]
         if self.simulation:
-            args += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
+            fed = {"num-supernodes": self.num_supernodes, **self.federation_config}
+            args += ["--federation-config", " ".join(f"{k}={toml_value(v)}" for k, v in fed.items())]
         return args
 
     def run_app(self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
