@@ -43,7 +43,7 @@ def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
     port = free_port()
     temp_dir = Path("/tmp") / f"mfray{port}"  # Ray needs a short path for its sockets
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = start_ray([f"--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false"],
+    head = start_ray(["--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false"],
                      tmp_path / "ray-head.log", env)
     worker = None
     try:
