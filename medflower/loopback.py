@@ -39,6 +39,21 @@ def wait_for_port(port: int, timeout: float = 60.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f}s")
 
 
+def stop_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM) -> None:
+    """Signal the process group of ``proc`` (started with start_new_session), SIGKILL if it lingers."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=15)
+
+
 def toml_value(value: Any) -> str:
     """A run-config value as TOML for ``--run-config``."""
     if isinstance(value, bool):
@@ -159,17 +174,7 @@ class LoopbackFederation:
         return self
 
     def stop(self, proc: subprocess.Popen | None, sig: int = signal.SIGTERM) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=15)
+        stop_process_group(proc, sig)
 
     def _leftovers(self) -> list[int]:
         """Processes of ours that left our process groups (flwr-simulation, ServerApp, ClientApp

@@ -7,14 +7,13 @@ cluster named by ``RAY_ADDRESS``; a SuperLink started with it runs its simulatio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from medflower.loopback import LoopbackFederation, free_port, wait_for_port
+from medflower.loopback import LoopbackFederation, free_port, stop_process_group, wait_for_port
 
 pytestmark = pytest.mark.e2e
 
@@ -27,16 +26,6 @@ def start_ray(args: list[str], log: Path, env: dict) -> subprocess.Popen:
     return subprocess.Popen(["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
                              "--num-cpus=1", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=20)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
 
 
 def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
@@ -70,6 +59,5 @@ def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
         assert any("ClientAppActor" in p.read_text(errors="ignore") for p in logs if p.is_file() and p.stat().st_size < 5e6)
     finally:
         for proc in (worker, head):
-            if proc is not None:
-                stop(proc)
+            stop_process_group(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)

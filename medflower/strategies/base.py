@@ -548,10 +548,7 @@ class ClientHalf:
 
     def query(self, message: Message) -> RecordDict:
         """Who this site is; nothing about its data but the number of training samples."""
-        return RecordDict({
-            "info": ConfigRecord({"partition-id": self.rt.partition_id, "client": self.rt.client}),
-            "metrics": MetricRecord({"num-train": len(self.rt.data.train)}),
-        })
+        return self.reply(metrics={"num-train": len(self.rt.data.train)})
 
     def train(self, message: Message) -> RecordDict:
         raise NotImplementedError
