@@ -1,8 +1,9 @@
-"""Data layer: sources (synthetic, MedMNIST npz, csv manifests), client partitions, loaders."""
+"""Data layer: sources (synthetic, MedMNIST npz, csv manifests; synthetic-seg, segmentation folders),
+client partitions, loaders."""
 
 from .client import ClientData, load_client_data
 from .site import site_data_spec
-from .sources import describe_source
+from .sources import describe_source, source_task
 from .spec import PARTITIONS, SOURCE_KINDS, DataError, DataSpec
 from .transforms import make_loader
 
@@ -16,4 +17,5 @@ __all__ = [
     "load_client_data",
     "make_loader",
     "site_data_spec",
+    "source_task",
 ]

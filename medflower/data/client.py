@@ -13,7 +13,12 @@ from .spec import DataError, DataSpec
 
 @dataclass
 class ClientData:
-    """Datasets of one partition; items are (uint8 HxWx3 / HxW numpy image, int label)."""
+    """Datasets of one partition.
+
+    Items are (uint8 HxWx3 / HxW numpy image, int label) for classification and (image, uint8
+    HxW mask of class indices 0..num_classes, 0 = background) for segmentation, where
+    ``num_classes`` / ``class_names`` count the foreground classes only.
+    """
 
     train: Dataset
     val: Dataset
@@ -22,6 +27,7 @@ class ClientData:
     class_names: list[str]
     partition_id: int
     site: str | None  # natural site name when known
+    task: str = "classification"  # or "segmentation"
 
 
 def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> ClientData:
@@ -52,4 +58,5 @@ def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> 
         class_names=list(source.class_names),
         partition_id=partition_id,
         site=partitioning.sites[partition_id],
+        task=source.task,
     )

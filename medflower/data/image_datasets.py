@@ -1,20 +1,28 @@
-"""Torch datasets yielding ``(uint8 HxW[x3] numpy image, int label)``.
+"""Torch datasets yielding ``(uint8 HxW[x3] numpy image, int label)`` or, for segmentation,
+``(uint8 HxW[x3] image, uint8 HxW mask of class indices, 0 = background)``.
 
-Each dataset carries ``labels`` (int64 array, for cheap histograms), ``img_size`` (the size
-the batch transform resizes to) and ``take(positions)`` (a subset of the same type).
+Each dataset carries ``task`` ("classification" | "segmentation"), ``labels`` (int64 array,
+for cheap histograms and stratified splits; for segmentation one int per image that is only
+used for splitting), ``img_size`` (the size the batch transform resizes to) and
+``take(positions)`` (a subset of the same type).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .segfolder import read_mask
 from .spec import DataError
 
 
 class ArrayImageDataset(Dataset):
     """Images held in memory as a uint8 array (N, H, W) or (N, H, W, C)."""
+
+    task = "classification"
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, img_size: int) -> None:
         if len(images) != len(labels):
@@ -36,6 +44,8 @@ class ArrayImageDataset(Dataset):
 
 class ImageFileDataset(Dataset):
     """Images read lazily from files with PIL, converted to RGB and resized to ``img_size``."""
+
+    task = "classification"
 
     def __init__(self, paths: list[str], labels: np.ndarray, lines: np.ndarray, img_size: int,
                  manifest: str) -> None:
@@ -63,3 +73,66 @@ class ImageFileDataset(Dataset):
         """Subset at ``positions``."""
         return ImageFileDataset([self.paths[p] for p in positions], self.labels[positions],
                                 self.lines[positions], self.img_size, self.manifest)
+
+
+def read_rgb(path: str | Path, img_size: int) -> np.ndarray:
+    """uint8 (img_size, img_size, 3) image of ``path`` (bilinear resize); DataError naming the file."""
+    try:
+        with Image.open(path) as image:
+            image = image.convert("RGB").resize((img_size, img_size), Image.Resampling.BILINEAR)
+            return np.asarray(image, dtype=np.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{path}: cannot open image: {exc}") from exc
+
+
+class SegArrayDataset(Dataset):
+    """Images (N, H, W[, C]) and class-index masks (N, H, W) held in memory as uint8 arrays."""
+
+    task = "segmentation"
+
+    def __init__(self, images: np.ndarray, masks: np.ndarray, labels: np.ndarray, img_size: int) -> None:
+        if not len(images) == len(masks) == len(labels):
+            raise ValueError(f"{len(images)} images, {len(masks)} masks and {len(labels)} labels")
+        self.images, self.masks = images, masks
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.img_size = img_size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.images[i], self.masks[i]
+
+    def take(self, positions: np.ndarray) -> SegArrayDataset:
+        """Subset at ``positions`` (copies the selected images and masks)."""
+        return SegArrayDataset(self.images[positions], self.masks[positions], self.labels[positions],
+                               self.img_size)
+
+
+class SegFileDataset(Dataset):
+    """Image/mask file pairs read lazily: images RGB, bilinear; masks class indices, nearest; both img_size."""
+
+    task = "segmentation"
+
+    def __init__(self, images: list[Path], masks: list[Path], labels: np.ndarray, img_size: int) -> None:
+        if not len(images) == len(masks) == len(labels):
+            raise ValueError(f"{len(images)} images, {len(masks)} masks and {len(labels)} labels")
+        self.image_paths, self.mask_paths = list(images), list(masks)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.img_size = img_size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        image = read_rgb(self.image_paths[i], self.img_size)
+        mask = read_mask(self.mask_paths[i])
+        if mask.shape != (self.img_size, self.img_size):
+            mask = np.asarray(Image.fromarray(mask).resize((self.img_size, self.img_size),
+                                                           Image.Resampling.NEAREST))
+        return image, mask
+
+    def take(self, positions: np.ndarray) -> SegFileDataset:
+        """Subset at ``positions``."""
+        return SegFileDataset([self.image_paths[p] for p in positions], [self.mask_paths[p] for p in positions],
+                              self.labels[positions], self.img_size)

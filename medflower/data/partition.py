@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from .sources import SPLITS, Source, SyntheticSource, list_rows, open_source_by_key, source_key
-from .spec import DataError, DataSpec
+from .sources import SPLITS, Source, open_source_by_key, source_key, source_task
+from .spec import DataError, DataSpec, list_rows
 
 if TYPE_CHECKING:
     import datasets
@@ -37,6 +37,9 @@ def partition_rows(spec: DataSpec, num_partitions: int) -> Partitioning:
     """The partitioning of ``spec``'s pool into ``num_partitions`` parts (cached, deterministic)."""
     if num_partitions < 1:
         raise DataError(f"num_partitions must be >= 1, got {num_partitions}")
+    if spec.partition in ("dirichlet", "pathological") and source_task(spec) == "segmentation":
+        raise DataError(f"dataset {spec.dataset!r}: segmentation sources support natural or iid partitions, "
+                        f"not {spec.partition!r}")
     return _partition_cached(source_key(spec), spec.partition, spec.dirichlet_alpha,
                              spec.pathological_k, spec.seed, num_partitions)
 
@@ -73,7 +76,7 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
                         f"{num_partitions} partitions: {exc}") from exc
     if partition == "natural":
         site_names = tuple(partitioner.partition_id_to_natural_id[p] for p in range(num_partitions))
-    elif isinstance(source, SyntheticSource):  # each partition renders in its own site style
+    elif source.styled_by_partition:  # each partition renders in its own site style
         site_names = tuple(source.site_name(p, num_partitions) for p in range(num_partitions))
     else:
         site_names = (None,) * num_partitions
@@ -128,7 +131,7 @@ def _rows_of(partitioner: Partitioner, partition_id: int) -> np.ndarray:
 def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partitions: int) -> None:
     if sites is None:
         raise DataError(f"{source.name}: partition 'natural' needs a site per row (a csv manifest "
-                        f"with a site column, or the synthetic source); this source has none")
+                        f"with a site column, a segfolder, or a synthetic source); this source has none")
     blank = np.flatnonzero(sites == "")
     if blank.size:
         raise DataError(f"{source.name}: partition 'natural' needs a site in every row; "

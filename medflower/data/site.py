@@ -12,9 +12,14 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
     """The spec of a site whose data lives at ``data_path``; the site uses all of it (one partition).
 
     ``data_path`` is a MedMNIST-layout ``.npz`` file, a ``.csv`` manifest, or a folder holding
-    exactly one of them (``manifest.csv`` is preferred when both kinds are present).
+    exactly one of them (``manifest.csv`` is preferred when both kinds are present). A folder
+    with ``images/`` and ``masks/`` (or site sub-folders that have them) is a segmentation
+    folder, ``segfolder:<path>``, and wins over files next to it; its sites are pooled into the
+    site's one partition.
     """
     path = Path(data_path).expanduser()
+    if path.is_dir() and is_segfolder(path):
+        return dataclasses.replace(base, dataset=f"segfolder:{path}", partition="iid")
     if path.is_dir():
         manifests = [path / "manifest.csv"] if (path / "manifest.csv").is_file() else sorted(path.glob("*.csv"))
         npz = sorted(path.glob("*.npz"))
@@ -34,3 +39,12 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
         raise DataError(f"node-config data-path {path}: expected a .npz (MedMNIST layout) or a .csv manifest")
     # A site holds its own data: no further partitioning ("iid" over a single partition).
     return dataclasses.replace(base, dataset=dataset, data_dir=data_dir, partition="iid")
+
+
+def is_segfolder(path: Path) -> bool:
+    """``path`` holds images/ and masks/, or a sub-folder does (the segfolder layout)."""
+    def has_pair(folder: Path) -> bool:
+        return (folder / "images").is_dir() and (folder / "masks").is_dir()
+
+    return has_pair(path) or any(has_pair(p) for p in path.iterdir()
+                                 if p.is_dir() and not p.name.startswith((".", "_")))

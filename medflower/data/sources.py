@@ -1,8 +1,11 @@
-"""Data sources: the synthetic pool, local MedMNIST ``.npz`` files and csv manifests.
+"""Data sources: synthetic pools, MedMNIST ``.npz`` files, csv manifests and segmentation folders.
 
 A source is the whole pool of rows with their labels (and, where the source has them,
-split and site per row). ``open_source`` is cached per source identity (file path and
-modification time for files), so repeated calls in one process are cheap.
+split and site per row). Its ``task`` is "classification" or "segmentation"; for
+segmentation, ``class_names`` are the foreground classes (the model's output channels) and
+``labels`` hold one int per image that only stratifies the splits. ``open_source`` is
+cached per source identity (file path and modification time for files), so repeated calls
+in one process are cheap.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from . import synthetic
-from .image_datasets import ArrayImageDataset, ImageFileDataset
-from .spec import DataError, DataSpec
+from . import segfolder, synthetic, synthetic_seg
+from .image_datasets import (
+    ArrayImageDataset,
+    ImageFileDataset,
+    SegArrayDataset,
+    SegFileDataset,
+)
+from .spec import SEGMENTATION_KINDS, DataError, DataSpec, list_rows
 
 SPLITS = ("train", "val", "test")
-MAX_LISTED_ROWS = 10
 
 # Class names of the single-label 2D MedMNIST datasets (medmnist.INFO); others get "class-<i>".
 MEDMNIST_CLASS_NAMES: dict[str, tuple[str, ...]] = {
@@ -50,21 +57,15 @@ def default_class_names(num_classes: int) -> tuple[str, ...]:
     return tuple(f"class-{c}" for c in range(num_classes))
 
 
-def list_rows(items: list[str], limit: int = MAX_LISTED_ROWS) -> str:
-    """'a, b, c ... (+N more, M in total)' for error messages."""
-    shown = ", ".join(items[:limit])
-    if len(items) <= limit:
-        return shown
-    return f"{shown} ... (+{len(items) - limit} more, {len(items)} in total)"
-
-
 class Source:
     """A pool of labelled rows; subclasses make the images of a client's rows."""
 
     name: str  # names the source (and its file) in messages
     labels: np.ndarray  # int64 (N,)
-    class_names: tuple[str, ...]
+    class_names: tuple[str, ...]  # segmentation: the foreground classes (mask values 1..K)
     splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
+    task: str = "classification"  # or "segmentation"
+    styled_by_partition: bool = False  # each partition renders its rows in its own site style
 
     @property
     def num_classes(self) -> int:
@@ -89,6 +90,8 @@ class Source:
 class SyntheticSource(Source):
     """Synthetic gratings; the image style depends on the partition holding a row."""
 
+    styled_by_partition = True
+
     def __init__(self, seed: int, size: int, num_classes: int) -> None:
         self.pool = synthetic.synthetic_pool(seed, size, num_classes)
         self.seed = seed
@@ -111,6 +114,27 @@ class SyntheticSource(Source):
         style = synthetic.site_style(self.seed, partition_id)
         images = synthetic.render(self.pool, rows, style, size, noise_key=(self.seed, partition_id))
         return ArrayImageDataset(images, self.labels[rows], spec.img_size)
+
+
+class SyntheticSegSource(SyntheticSource):
+    """Synthetic shapes with masks (``synthetic_seg``); sites and styles as in ``SyntheticSource``."""
+
+    task = "segmentation"
+
+    def __init__(self, seed: int, size: int) -> None:
+        self.pool = synthetic_seg.seg_pool(seed, size)
+        self.seed, self.size = seed, size
+        self.name = f"synthetic-seg (seed {seed}, {size} samples)"
+        self.labels = self.pool.labels  # 1 if the image has a rectangle
+        self.class_names = synthetic_seg.CLASS_NAMES
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec,
+                style_id: int | None = None) -> Dataset:
+        """Rows as drawn by partition ``partition_id``, in the style of ``style_id`` (default: the partition)."""
+        style_id = partition_id if style_id is None else style_id
+        images, masks = synthetic_seg.render_site(self.seed, style_id, rows, self.size, spec.img_size,
+                                                  noise_key=(self.seed, partition_id))
+        return SegArrayDataset(images, masks, self.labels[rows], spec.img_size)
 
 
 class MedmnistSource(Source):
@@ -269,6 +293,35 @@ class CsvSource(Source):
                                 spec.img_size, str(self.manifest))
 
 
+class SegFolderSource(Source):
+    """A segmentation folder (``segfolder`` module): sites with images/ and masks/, read lazily.
+
+    Opening it reads every mask once to check its values and count the foreground classes.
+    """
+
+    task = "segmentation"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name = f"segfolder:{root}"
+        self.folder = segfolder.scan_folder(root)
+        largest, num_classes = segfolder.scan_masks(self.folder)
+        self.labels = (largest > 0).astype(np.int64)  # 1 if the mask has any foreground
+        self.class_names = ("foreground",) if num_classes == 1 else tuple(
+            f"class-{c}" for c in range(1, num_classes + 1))
+        self.site_values = np.array(self.folder.sites, dtype=str)
+
+    def sites(self, num_partitions: int) -> np.ndarray:
+        return self.site_values
+
+    def row_name(self, row: int) -> str:
+        return str(self.folder.images[row].relative_to(self.root))
+
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        return SegFileDataset([self.folder.images[r] for r in rows], [self.folder.masks[r] for r in rows],
+                              self.labels[rows], spec.img_size)
+
+
 def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:
     """``<data_dir>/<flag>.npz``, else ``<flag>_<size>.npz`` (smallest size >= img_size, else largest)."""
     folder = Path(data_dir).expanduser()
@@ -285,10 +338,19 @@ def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:
 
 
 def source_key(spec: DataSpec) -> tuple:
-    """Hashable identity of the spec's source; files are identified by path, mtime and size."""
+    """Hashable identity of the spec's source; files are identified by path, mtime and size.
+
+    A segfolder is identified by its resolved root and a fingerprint of its files (count, and a
+    digest of names, sizes and mtimes).
+    """
     kind, arg = spec.source_kind, spec.source_arg
     if kind == "synthetic":
         return (kind, spec.seed, spec.synthetic_size, spec.synthetic_classes)
+    if kind == "synthetic-seg":
+        return (kind, spec.seed, spec.synthetic_size)
+    if kind == "segfolder":
+        root = Path(arg).expanduser().resolve()
+        return (kind, arg, str(root), *segfolder.fingerprint(root))
     if kind == "medmnist":
         path = medmnist_path(arg, spec.data_dir, spec.img_size).resolve()
     else:
@@ -305,6 +367,10 @@ def open_source_by_key(key: tuple) -> Source:
     kind = key[0]
     if kind == "synthetic":
         return SyntheticSource(*key[1:])
+    if kind == "synthetic-seg":
+        return SyntheticSegSource(*key[1:])
+    if kind == "segfolder":
+        return SegFolderSource(Path(key[2]))
     if kind == "medmnist":
         return MedmnistSource(key[1], Path(key[2]))
     return CsvSource(Path(key[2]))
@@ -316,6 +382,14 @@ def open_source(spec: DataSpec) -> Source:
 
 
 def describe_source(spec: DataSpec) -> tuple[int, list[str]]:
-    """(num_classes, class_names) without loading images; raises DataError for bad files."""
+    """(num_classes, class_names) without loading images (a segfolder reads its masks once).
+
+    For segmentation sources these are the foreground classes. Raises DataError for bad files.
+    """
     source = open_source(spec)
     return source.num_classes, list(source.class_names)
+
+
+def source_task(spec: DataSpec) -> str:
+    """'classification' or 'segmentation', from the dataset kind alone (opens nothing)."""
+    return "segmentation" if spec.source_kind in SEGMENTATION_KINDS else "classification"

@@ -1,22 +1,34 @@
-"""What data a run uses (`DataSpec`) and the error the data layer raises."""
+"""What data a run uses (`DataSpec`), the error the data layer raises and its row lists."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCE_KINDS = ("synthetic", "medmnist", "csv")
+SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
+ARGLESS_KINDS = ("synthetic", "synthetic-seg")  # kinds written without ":<argument>"
+SEGMENTATION_KINDS = ("synthetic-seg", "segfolder")
 PARTITIONS = ("natural", "iid", "dirichlet", "pathological")
+MAX_LISTED_ROWS = 10
 
 
 class DataError(ValueError):
     """Data that is missing or malformed; the message names the file and the problem."""
 
 
+def list_rows(items: list[str], limit: int = MAX_LISTED_ROWS) -> str:
+    """'a, b, c ... (+N more, M in total)' for error messages."""
+    shown = ", ".join(items[:limit])
+    if len(items) <= limit:
+        return shown
+    return f"{shown} ... (+{len(items) - limit} more, {len(items)} in total)"
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """Where the data comes from and how it is split over clients (hashable, used as cache key)."""
 
-    dataset: str = "synthetic"  # "synthetic" | "medmnist:<flag>" | "csv:<manifest path>"
+    # "synthetic" | "medmnist:<flag>" | "csv:<manifest path>" | "synthetic-seg" | "segfolder:<root>"
+    dataset: str = "synthetic"
     data_dir: str = "data"  # folder of <flag>.npz / <flag>_<size>.npz for medmnist
     partition: str = "dirichlet"  # natural | iid | dirichlet | pathological
     dirichlet_alpha: float = 0.5
@@ -25,16 +37,16 @@ class DataSpec:
     test_fraction: float = 0.2
     img_size: int = 32
     seed: int = 0
-    synthetic_size: int = 2400  # total samples of the synthetic pool
-    synthetic_classes: int = 8
+    synthetic_size: int = 2400  # total samples of the synthetic (and synthetic-seg) pool
+    synthetic_classes: int = 8  # synthetic only; synthetic-seg always has 2 foreground classes
     use_source_splits: bool = True  # rows with a source split label (medmnist, csv `split`) keep it
 
     def __post_init__(self) -> None:
         problems = []
         kind, _, arg = self.dataset.partition(":")
-        if kind not in SOURCE_KINDS or (kind == "synthetic") == bool(arg):
+        if kind not in SOURCE_KINDS or (kind in ARGLESS_KINDS) == bool(arg):
             problems.append(f"dataset {self.dataset!r} is not one of synthetic, medmnist:<flag>, "
-                            "csv:<manifest>")
+                            "csv:<manifest>, synthetic-seg, segfolder:<root>")
         if self.partition not in PARTITIONS:
             problems.append(f"partition {self.partition!r} is not one of {', '.join(PARTITIONS)}")
         if not self.dirichlet_alpha > 0:
@@ -55,10 +67,10 @@ class DataSpec:
 
     @property
     def source_kind(self) -> str:
-        """'synthetic', 'medmnist' or 'csv'."""
+        """'synthetic', 'medmnist', 'csv', 'synthetic-seg' or 'segfolder'."""
         return self.dataset.partition(":")[0]
 
     @property
     def source_arg(self) -> str:
-        """The part after the colon: medmnist flag or csv manifest path ('' for synthetic)."""
+        """The part after the colon: medmnist flag, csv manifest or segfolder root ('' for synthetic*)."""
         return self.dataset.partition(":")[2]

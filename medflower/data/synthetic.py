@@ -121,7 +121,11 @@ def _render_chunk(pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size:
     blob_x, blob_y = (pool.blob_xy[rows, i].astype(np.float32)[:, None, None] for i in (0, 1))
     dist2 = (x - blob_x) ** 2 + (y - blob_y) ** 2
     gray += per_sample(pool.blob_strength) * np.exp(-dist2 / (2 * per_sample(pool.blob_radius) ** 2))
+    return apply_style(gray, style, size, rng)
 
+
+def apply_style(gray: np.ndarray, style: SiteStyle, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Grey images (n, size, size), about [0, 1], in a site's ``style`` -> uint8 (n, size, size, 3)."""
     if style.blur_sigma > 0:
         sigma = style.blur_sigma * size / 32
         gray = gaussian_filter(gray, sigma=(0, sigma, sigma), mode="reflect")

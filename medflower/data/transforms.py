@@ -1,4 +1,4 @@
-"""Batch transforms (uint8 images -> normalised float tensors) and the seeded DataLoader."""
+"""Batch transforms (uint8 images -> normalised float tensors, masks -> int64) and the seeded DataLoader."""
 
 from __future__ import annotations
 
@@ -34,15 +34,39 @@ def images_to_tensor(images: Sequence, img_size: int | None) -> torch.Tensor:
     return (x / 255.0 - mean) / std
 
 
+def masks_to_tensor(masks: Sequence, img_size: int | None) -> torch.Tensor:
+    """Class-index masks (HxW; numpy or tensor) -> int64 [B, S, S], resized nearest-neighbour."""
+    if all(isinstance(mask, torch.Tensor) for mask in masks):
+        batch = torch.stack(list(masks))
+    else:
+        batch = torch.from_numpy(np.stack([np.asarray(mask) for mask in masks]))
+    y = batch.to(torch.int64)
+    if img_size is not None and tuple(y.shape[-2:]) != (img_size, img_size):
+        # nearest-exact samples pixel centres like the bilinear image resize (align_corners=False)
+        y = F.interpolate(y[:, None].float(), size=(img_size, img_size), mode="nearest-exact")[:, 0].to(torch.int64)
+    return y
+
+
+def is_mask(target) -> bool:
+    """A segmentation target (a 2-D array) rather than a class label."""
+    return isinstance(target, (np.ndarray, torch.Tensor)) and target.ndim >= 2
+
+
 class BatchTransform:
-    """collate_fn: list of (image, label) -> (x float32 [B,3,S,S], y int64 [B])."""
+    """collate_fn: list of (image, label) -> (x float32 [B,3,S,S], y int64 [B]).
+
+    Segmentation items (image, HxW mask) give y int64 [B,S,S] of class indices instead.
+    """
 
     def __init__(self, img_size: int | None) -> None:
         self.img_size = img_size
 
     def __call__(self, batch: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-        images, labels = zip(*batch)
-        return images_to_tensor(images, self.img_size), torch.as_tensor(labels, dtype=torch.int64)
+        images, targets = zip(*batch)
+        x = images_to_tensor(images, self.img_size)
+        if is_mask(targets[0]):
+            return x, masks_to_tensor(targets, self.img_size)
+        return x, torch.as_tensor(targets, dtype=torch.int64)
 
 
 def target_img_size(dataset: Dataset) -> int | None:
