@@ -1,20 +1,32 @@
-"""Models layer: timm backbones with peft / bottleneck adapters and a linear head, exchanged as named arrays."""
+"""Models layer: timm backbones with peft / bottleneck adapters and a linear head or a segmentation
+decoder, exchanged as named arrays."""
 
 from .adapters import ADAPTERS, Bottleneck
 from .backbones import BACKBONE_ALIASES, WEIGHT_MODES, resolve_backbone
-from .classifier import AdaptedClassifier, build_classifier
+from .classifier import AdaptedClassifier, AdaptedModel, build_classifier
 from .errors import ModelError, PretrainedWeightsWarning
-from .spec import ModelSpec
+from .naming import adapter_module, adapter_modules, lowest_adapter_names
+from .segmentation import AdaptedSegmenter, LightDecoder, build_model, build_segmenter
+from .spec import TASKS, ModelSpec
 
 __all__ = [
     "ADAPTERS",
     "BACKBONE_ALIASES",
+    "TASKS",
     "WEIGHT_MODES",
     "AdaptedClassifier",
+    "AdaptedModel",
+    "AdaptedSegmenter",
     "Bottleneck",
+    "LightDecoder",
     "ModelError",
     "ModelSpec",
     "PretrainedWeightsWarning",
+    "adapter_module",
+    "adapter_modules",
     "build_classifier",
+    "build_model",
+    "build_segmenter",
+    "lowest_adapter_names",
     "resolve_backbone",
 ]

@@ -1,4 +1,4 @@
-"""AdaptedClassifier (frozen timm backbone + adapters + linear head) and build_classifier."""
+"""AdaptedModel (frozen timm backbone + adapters + a trainable task module), AdaptedClassifier, build_classifier."""
 
 from __future__ import annotations
 
@@ -20,26 +20,31 @@ _ADAPTER_SEED_OFFSET = 1_000_003
 _HEAD_SEED_OFFSET = 2_000_006
 
 
-class AdaptedClassifier(nn.Module):
-    """``head(backbone(x))`` where only the adapter parameters and the head train.
+class AdaptedModel(nn.Module):
+    """A frozen timm backbone with adapters plus a small task module; only adapters and task module train.
 
-    The exchanged ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward
-    order (block depth ascending, head last) with peft's ``.default`` adapter name stripped.
+    ``task_module`` is the attribute holding the head (``head``) or decoder (``decoder``). The exchanged
+    ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward order
+    (block depth ascending, task module last) with peft's ``.default`` adapter name stripped.
     In ``train()`` mode BatchNorm layers of the backbone stay in eval mode, so frozen running statistics
     never drift locally (they are not exchanged).
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear, adapter_param_names: Iterable[str] = (),
+    task: str = ""
+    task_module: str = ""
+
+    def __init__(self, backbone: nn.Module, adapter_param_names: Iterable[str] = (),
                  spec: ModelSpec | None = None, weights_source: str = "random"):
         super().__init__()
         self.backbone = backbone
-        self.head = head
-        self.feature_dim = head.in_features
         self.spec = spec
         self.weights_source = weights_source
 
+    def _freeze_all_but_trainable(self, adapter_param_names: Iterable[str]) -> None:
+        """Fix the trainable set: the adapters' parameters and every parameter of the task module."""
         adapter_params = {f"backbone.{n}" for n in adapter_param_names}
-        raw = [n for n, _ in self.named_parameters() if n in adapter_params or n.startswith("head.")]
+        raw = [n for n, _ in self.named_parameters()
+               if n in adapter_params or n.startswith(self.task_module + ".")]
         unknown = adapter_params - set(raw)
         if unknown:
             raise ModelError(f"adapter parameters not found in the backbone: {sorted(unknown)[:4]}")
@@ -50,14 +55,7 @@ class AdaptedClassifier(nn.Module):
         for name, p in self.named_parameters():
             p.requires_grad_(name in raw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Pooled backbone features ``[B, feature_dim]``."""
-        return self.backbone(x)
-
-    def train(self, mode: bool = True) -> "AdaptedClassifier":
+    def train(self, mode: bool = True) -> "AdaptedModel":
         super().train(mode)
         for m in self.backbone.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -87,22 +85,53 @@ class AdaptedClassifier(nn.Module):
         return arrays.array_spec(self.trainable_parameters())
 
 
-def build_classifier(spec: ModelSpec, num_classes: int) -> AdaptedClassifier:
-    """Build backbone, load weights, inject the adapter and add a head; deterministic for a given spec."""
-    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ModelError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+class AdaptedClassifier(AdaptedModel):
+    """``head(backbone(x))``: pooled backbone features into a linear head."""
+
+    task = "classification"
+    task_module = "head"
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear, adapter_param_names: Iterable[str] = (),
+                 spec: ModelSpec | None = None, weights_source: str = "random"):
+        super().__init__(backbone, adapter_param_names, spec, weights_source)
+        self.head = head
+        self.feature_dim = head.in_features
+        self._freeze_all_but_trainable(adapter_param_names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled backbone features ``[B, feature_dim]``."""
+        return self.backbone(x)
+
+
+def build_backbone_with_adapter(spec: ModelSpec) -> tuple[nn.Module, list[str], str, int]:
+    """(backbone with the spec's adapter, adapter parameter names, weights source, feature width)."""
     timm_name = resolve_backbone(spec.backbone)
     family = backbone_family(timm_name)
+    backbone, weights_source = create_backbone(timm_name, img_size=spec.img_size, patch_size=spec.patch_size,
+                                               weights=spec.weights, seed=spec.seed)
+    base_params = {id(p) for p in backbone.parameters()}
+    torch.manual_seed(spec.seed + _ADAPTER_SEED_OFFSET)
+    inject_adapter(backbone, spec.adapter, family, targets=spec.adapter_targets, lora_rank=spec.lora_rank,
+                   lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                   bottleneck_ratio=spec.bottleneck_ratio, backbone_name=spec.backbone)
+    adapter_param_names = [n for n, p in backbone.named_parameters() if id(p) not in base_params]
+    feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
+    return backbone, adapter_param_names, weights_source, feature_dim
+
+
+def check_num_classes(num_classes: int) -> None:
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ModelError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+
+
+def build_classifier(spec: ModelSpec, num_classes: int) -> AdaptedClassifier:
+    """Build backbone, load weights, inject the adapter and add a head; deterministic for a given spec."""
+    check_num_classes(num_classes)
     with torch.random.fork_rng(devices=[]):  # seed locally, leave the caller's RNG untouched
-        backbone, weights_source = create_backbone(timm_name, img_size=spec.img_size, patch_size=spec.patch_size,
-                                                   weights=spec.weights, seed=spec.seed)
-        base_params = {id(p) for p in backbone.parameters()}
-        torch.manual_seed(spec.seed + _ADAPTER_SEED_OFFSET)
-        inject_adapter(backbone, spec.adapter, family, targets=spec.adapter_targets, lora_rank=spec.lora_rank,
-                       lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                       bottleneck_ratio=spec.bottleneck_ratio, backbone_name=spec.backbone)
-        adapter_param_names = [n for n, p in backbone.named_parameters() if id(p) not in base_params]
-        feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
+        backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
         torch.manual_seed(spec.seed + _HEAD_SEED_OFFSET)
         head = nn.Linear(feature_dim, num_classes)
     return AdaptedClassifier(backbone, head, adapter_param_names, spec=spec, weights_source=weights_source)

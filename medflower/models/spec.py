@@ -8,6 +8,8 @@ from .adapters import ADAPTERS
 from .backbones import WEIGHT_MODES, resolve_backbone
 from .errors import ModelError
 
+TASKS = ("classification", "segmentation")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -24,6 +26,7 @@ class ModelSpec:
     adapter_targets: tuple[str, ...] = ()   # module-name suffixes (or "a,b" string); () = per-family default
     bottleneck_ratio: float = 0.25
     seed: int = 0                   # seeds backbone, adapter and head init: same spec -> identical model
+    task: str = "classification"    # classification (linear head) | segmentation (light decoder)
 
     def __post_init__(self) -> None:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
@@ -35,6 +38,7 @@ class ModelSpec:
         if not isinstance(self.weights, str) or not self.weights:
             raise ModelError(f"weights must be one of {list(WEIGHT_MODES)} or a path to a local weights file, "
                              f"got {self.weights!r}")
+        _check(self.task in TASKS, "task", self.task, f"one of {list(TASKS)}")
         _check(self.img_size >= 1, "img_size", self.img_size, "an integer >= 1")
         _check(self.patch_size >= 0, "patch_size", self.patch_size, "0 (backbone default) or an integer >= 1")
         _check(self.lora_rank >= 1, "lora_rank", self.lora_rank, "an integer >= 1")

@@ -9,10 +9,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .metrics import classification_metrics
+from .losses import one_hot_masks, task_loss
+from .metrics import classification_metrics, dice_iou_per_image, segmentation_metrics
 
 # A method's extra loss term: (model, logits, labels) -> scalar tensor (e.g. FedProx's proximal term).
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,7 +61,9 @@ def train_epochs(
     device: torch.device,
     extra_loss: ExtraLoss | None = None,
 ) -> dict[str, float]:
-    """Cross-entropy training of the parameters that require grad; returns mean loss and steps."""
+    """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
+    segmentation) plus ``extra_loss``; returns mean loss and steps."""
+    task = getattr(model, "task", "classification")
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer.build(params)
@@ -71,7 +73,7 @@ def train_epochs(
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device):
                 logits = model(x)
-                loss = F.cross_entropy(logits.float(), y)
+                loss = task_loss(task, logits, y)
                 if extra_loss is not None:
                     loss = loss + extra_loss(model, logits, y)
             if not math.isfinite(loss.item()):
@@ -98,9 +100,35 @@ def predict(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch
     return np.concatenate(ys), np.concatenate(ps)
 
 
-def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> dict[str, float]:
-    """loss, accuracy, balanced accuracy, AUC and n on one split."""
+def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
+             class_names: list[str] | None = None) -> dict[str, float]:
+    """Classification: loss, accuracy, balanced accuracy, AUC and n. Segmentation: loss, Dice, IoU, n."""
+    if getattr(model, "task", "classification") == "segmentation":
+        return evaluate_segmentation(model, loader, device, class_names)
     y, probs = predict(model, loader, device)
     eps = 1e-12
     loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + eps)))
     return {"loss": loss, **classification_metrics(y, probs), "n": float(len(y))}
+
+
+@torch.no_grad()
+def evaluate_segmentation(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
+                          class_names: list[str] | None = None) -> dict[str, float]:
+    """Per-image hard Dice and IoU (sigmoid > 0.5) averaged over images, per class and overall; mean loss."""
+    model.to(device).eval()
+    dices, ious, loss_sum, n = [], [], 0.0, 0
+    for x, y in loader:
+        y = y.to(device)
+        with autocast(device):
+            logits = model(x.to(device))
+        logits = logits.float()
+        loss_sum += task_loss("segmentation", logits, y).item() * len(y)
+        n += len(y)
+        target = one_hot_masks(y, logits.shape[1]).bool()
+        dice, iou = dice_iou_per_image((logits > 0).cpu().numpy(), target.cpu().numpy())
+        dices.append(dice)
+        ious.append(iou)
+    if n == 0:
+        return {"n": 0.0}
+    return {"loss": loss_sum / n, **segmentation_metrics(np.concatenate(dices), np.concatenate(ious), class_names),
+            "n": float(n)}

@@ -36,3 +36,31 @@ def classification_metrics(y_true: np.ndarray, probs: np.ndarray) -> dict[str, f
         "balanced_accuracy": balanced,
         "auc": auc_score(y_true, probs),
     }
+
+
+def dice_iou_per_image(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hard Dice and IoU of boolean masks ``[N, K, H, W]`` -> two ``[N, K]`` arrays.
+
+    An image where a class is absent from both prediction and target scores 1 (nothing to find,
+    nothing found), the convention of per-image Dice in Fed-Prostate/Fed-Polyp style evaluations.
+    """
+    pred, target = pred.astype(bool), target.astype(bool)
+    inter = (pred & target).sum(axis=(2, 3)).astype(np.float64)
+    p, t = pred.sum(axis=(2, 3)).astype(np.float64), target.sum(axis=(2, 3)).astype(np.float64)
+    union = p + t - inter
+    empty = (p + t) == 0
+    dice = np.where(empty, 1.0, 2 * inter / np.maximum(p + t, 1))
+    iou = np.where(empty, 1.0, inter / np.maximum(union, 1))
+    return dice, iou
+
+
+def segmentation_metrics(dice: np.ndarray, iou: np.ndarray, class_names: list[str] | None = None) -> dict[str, float]:
+    """Mean Dice/IoU over images and classes; per class too when there is more than one class."""
+    out = {"dice": float(dice.mean()), "iou": float(iou.mean())}
+    if dice.shape[1] > 1:
+        names = class_names or [f"class{c + 1}" for c in range(dice.shape[1])]
+        for c, name in enumerate(names):
+            key = name.replace(" ", "_")
+            out[f"dice_{key}"] = float(dice[:, c].mean())
+            out[f"iou_{key}"] = float(iou[:, c].mean())
+    return out

@@ -1,0 +1,109 @@
+"""AdaptedSegmenter: a timm ViT/Swin encoder with adapters plus a light decoder that upsamples to the mask.
+
+Only the adapters and the decoder train. The decoder is hand-written (timm has encoders, not
+decoders): a 1x1 projection of the patch grid, then ``log2(patch)`` stages of (bilinear x2, 3x3 conv,
+GroupNorm, GELU), then a 1x1 conv to one logit per foreground class. GroupNorm rather than BatchNorm,
+so the decoder has no running statistics outside its exchanged parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbones import backbone_family, resolve_backbone
+from .classifier import AdaptedModel, build_backbone_with_adapter, check_num_classes
+from .errors import ModelError
+from .spec import ModelSpec
+
+_DECODER_SEED_OFFSET = 3_000_009
+DECODER_WIDTH = 64
+_GROUPS = 8
+
+
+class LightDecoder(nn.Module):
+    """Feature grid ``[B, D, h, w]`` -> mask logits ``[B, K, H, W]`` (K foreground classes)."""
+
+    def __init__(self, in_dim: int, num_classes: int, upsample_stages: int, width: int = DECODER_WIDTH):
+        super().__init__()
+        self.proj = nn.Conv2d(in_dim, width, kernel_size=1)
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(width, width, kernel_size=3, padding=1), nn.GroupNorm(_GROUPS, width), nn.GELU())
+            for _ in range(upsample_stages))
+        self.out = nn.Conv2d(width, num_classes, kernel_size=1)
+
+    def forward(self, grid: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        x = self.proj(grid)
+        for stage in self.stages:
+            x = stage(F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False))
+        if tuple(x.shape[-2:]) != tuple(size):
+            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+        return self.out(x)
+
+
+class AdaptedSegmenter(AdaptedModel):
+    """``decoder(grid(backbone.forward_features(x)))``: per-pixel logits, one channel per foreground class."""
+
+    task = "segmentation"
+    task_module = "decoder"
+
+    def __init__(self, backbone: nn.Module, decoder: LightDecoder, family: str, adapter_param_names: Iterable[str] = (),
+                 spec: ModelSpec | None = None, weights_source: str = "random"):
+        super().__init__(backbone, adapter_param_names, spec, weights_source)
+        self.decoder = decoder
+        self.family = family
+        self.num_classes = decoder.out.out_channels
+        self._freeze_all_but_trainable(adapter_param_names)
+
+    def feature_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """Encoder features as a spatial grid ``[B, D, h, w]``."""
+        tokens = self.backbone.forward_features(x)
+        if self.family == "swin":  # timm Swin returns NHWC
+            return tokens.permute(0, 3, 1, 2)
+        tokens = tokens[:, getattr(self.backbone, "num_prefix_tokens", 0):]
+        h, w = self.backbone.patch_embed.dynamic_feat_size(x.shape[-2:]) \
+            if getattr(self.backbone, "dynamic_img_size", False) else self.backbone.patch_embed.grid_size
+        return tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled encoder features ``[B, D]`` (mean over the grid)."""
+        return self.feature_grid(x).mean(dim=(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.feature_grid(x), tuple(x.shape[-2:]))
+
+
+def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
+    """Encoder with adapters + LightDecoder to ``num_classes`` foreground channels; deterministic for a spec."""
+    check_num_classes(num_classes)
+    family = backbone_family(resolve_backbone(spec.backbone))
+    if family not in ("vit", "swin"):
+        raise ModelError(f"segmentation needs a ViT or Swin encoder (got {spec.backbone!r}, a {family} model)")
+    with torch.random.fork_rng(devices=[]):
+        backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
+        reduction = spec.img_size // _grid_side(backbone, family, spec.img_size)
+        torch.manual_seed(spec.seed + _DECODER_SEED_OFFSET)
+        decoder = LightDecoder(feature_dim, num_classes, upsample_stages=max(0, round(math.log2(max(reduction, 1)))))
+    return AdaptedSegmenter(backbone, decoder, family, adapter_param_names, spec=spec, weights_source=weights_source)
+
+
+def _grid_side(backbone: nn.Module, family: str, img_size: int) -> int:
+    with torch.no_grad():
+        was_training = backbone.training
+        backbone.eval()
+        out = backbone.forward_features(torch.zeros(1, 3, img_size, img_size))
+        backbone.train(was_training)
+    return int(out.shape[1]) if family == "swin" else int(backbone.patch_embed.grid_size[0])
+
+
+def build_model(spec: ModelSpec, num_classes: int) -> AdaptedModel:
+    """The spec's task model: AdaptedClassifier or AdaptedSegmenter."""
+    if spec.task == "segmentation":
+        return build_segmenter(spec, num_classes)
+    from .classifier import build_classifier
+
+    return build_classifier(spec, num_classes)

@@ -1,0 +1,32 @@
+"""Task losses: cross-entropy for classification, BCE + soft Dice for segmentation."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DICE_EPS = 1.0  # smoothing of the soft Dice loss (per image and class), the usual +1
+
+
+def one_hot_masks(masks: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Class-index masks ``[B, H, W]`` (0 = background) -> float targets ``[B, K, H, W]`` for classes 1..K."""
+    classes = torch.arange(1, num_classes + 1, device=masks.device).view(1, -1, 1, 1)
+    return (masks.unsqueeze(1) == classes).float()
+
+
+def bce_dice_loss(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Mean per-pixel BCE plus (1 - soft Dice) averaged over images and foreground classes."""
+    target = one_hot_masks(masks, logits.shape[1])
+    bce = F.binary_cross_entropy_with_logits(logits, target)
+    probs = torch.sigmoid(logits)
+    inter = (probs * target).sum(dim=(2, 3))
+    total = probs.sum(dim=(2, 3)) + target.sum(dim=(2, 3))
+    dice = (2 * inter + DICE_EPS) / (total + DICE_EPS)
+    return bce + (1 - dice).mean()
+
+
+def task_loss(task: str, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss of ``task`` (``classification`` or ``segmentation``)."""
+    if task == "segmentation":
+        return bce_dice_loss(logits.float(), targets)
+    return F.cross_entropy(logits.float(), targets)
