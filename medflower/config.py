@@ -60,6 +60,7 @@ class Option:
     help: str
     check: Callable[[Any], str | None] | None = None
     group: str = "run"
+    parse: Callable[[Any], Any] | None = None  # own coercion (raises ValueError with the reason) instead of the type's
 
     @property
     def attr(self) -> str:
@@ -73,16 +74,21 @@ def _strategy_check(v: str) -> str | None:
     return None if v in STRATEGIES else "valid choices are " + ", ".join(STRATEGIES)
 
 
+_NO_ARG_SOURCES = ("synthetic", "synthetic-seg")
+SEGMENTATION_SOURCES = ("synthetic-seg", "segfolder")
+
+
 def _dataset_check(v: str) -> str | None:
     kind = v.split(":", 1)[0]
-    valid = "valid choices are synthetic, medmnist:<flag>, csv:<manifest.csv>, site"
+    valid = ("valid choices are synthetic, synthetic-seg, medmnist:<flag>, csv:<manifest.csv>, "
+             "segfolder:<root>, site")
     if v == "site":
         return None
     if kind not in SOURCE_KINDS:
         return valid
-    if kind == "synthetic" and v != "synthetic":
+    if kind in _NO_ARG_SOURCES and v != kind:
         return valid
-    if kind != "synthetic" and not v.split(":", 1)[1:] or v.endswith(":"):
+    if kind not in _NO_ARG_SOURCES and (not v.split(":", 1)[1:] or v.endswith(":")):
         return f"'{kind}:' needs a value after the colon; " + valid
     return None
 
@@ -103,6 +109,21 @@ def _weights_check(v: str) -> str | None:
     return "valid choices are " + ", ".join(WEIGHT_MODES) + " or the path of an existing weights file"
 
 
+def _parse_lat_layers(v: Any) -> int | str:
+    """An integer >= 1 (also as a string) or 'all'."""
+    if v == "all":
+        return "all"
+    if isinstance(v, bool):
+        raise ValueError("must be an integer >= 1 or 'all'")
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError("must be an integer >= 1 or 'all'") from None
+    if n < 1 or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("must be an integer >= 1 or 'all'")
+    return n
+
+
 def _seed_check(v: int) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
@@ -120,7 +141,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
     Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
     # --- data
-    Option("dataset", "synthetic", "synthetic | medmnist:<flag> | csv:<manifest.csv> | site (each SuperNode's node-config data-path; needs num-classes)", _dataset_check, "data"),
+    Option("dataset", "synthetic", "synthetic | synthetic-seg | medmnist:<flag> | csv:<manifest.csv> | segfolder:<root> | site (each SuperNode's node-config data-path; needs num-classes)", _dataset_check, "data"),
+    Option("task", "auto", "auto = segmentation for synthetic-seg/segfolder sources, else classification; set it for dataset='site'", one_of("auto", "classification", "segmentation"), "data"),
     Option("data-dir", "data", "folder holding <flag>.npz for medmnist sources", None, "data"),
     Option("partition", "dirichlet", "how data is split over clients", one_of(*PARTITIONS), "data"),
     Option("dirichlet-alpha", 0.5, "Dirichlet concentration of the label skew", positive, "data"),
@@ -129,7 +151,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("test-fraction", 0.2, "per-client test share (seeded, stratified)", fraction_below_one, "data"),
     Option("use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"),
     Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
-    Option("num-classes", 0, "classes of the head; 0 = read from the data source", non_negative, "data"),
+    Option("num-classes", 0, "classes of the head (segmentation: foreground classes); 0 = read from the data source", non_negative, "data"),
     # --- model
     Option("backbone", "vit-tiny", "timm backbone alias or timm model name", _backbone_check, "model"),
     Option("backbone-weights", "auto", "none | auto (cached timm weights, else random + warning) | file path", _weights_check, "model"),
@@ -148,6 +170,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
     Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
     Option("proximal-mu", 0.01, "FedProx proximal weight mu (strategy fedprox)", non_negative, "train"),
+    # --- SGCA (FedSCA) and LAT
+    Option("lat-layers", 1, "sgca/lat: lowest adapter modules that travel (an integer, or 'all')", None, "sgca", _parse_lat_layers),
+    Option("sgca-alpha", 0.8, "sgca: weight alpha of the distance term in the aggregation QP", non_negative, "sgca"),
+    Option("sgca-beta", 0.01, "sgca: weight beta of the client's -cos(theta, aggregate) term", non_negative, "sgca"),
+    Option("sgca-metric", "l2", "sgca: adapter distance (similarities enter as D = -sim)", one_of("l2", "l1", "cosine", "inner"), "sgca"),
+    Option("sgca-solver", "cvxpy", "sgca: QP solver; closed-form = projection onto the simplex", one_of("cvxpy", "closed-form"), "sgca"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
@@ -155,6 +183,11 @@ OPTION_BY_KEY = {o.key: o for o in OPTIONS}
 
 def _coerce(option: Option, value: Any) -> Any:
     """Cast a TOML value to the option's type, or raise ConfigError."""
+    if option.parse is not None:
+        try:
+            return option.parse(value)
+        except ValueError as e:
+            raise _bad(option.key, value, str(e)) from None
     want = type(option.default)
     if want is bool:
         if isinstance(value, bool):
@@ -196,6 +229,7 @@ class ExperimentConfig:
     test_fraction: float
     use_source_splits: bool
     synthetic_size: int
+    task: str
     num_classes: int
     backbone: str
     backbone_weights: str
@@ -213,6 +247,11 @@ class ExperimentConfig:
     momentum: float
     weight_decay: float
     proximal_mu: float
+    lat_layers: int | str
+    sgca_alpha: float
+    sgca_beta: float
+    sgca_metric: str
+    sgca_solver: str
     device: str
 
     @classmethod
@@ -239,6 +278,10 @@ class ExperimentConfig:
         if self.val_fraction + self.test_fraction >= 1:
             raise _bad("test-fraction", self.test_fraction,
                        f"val-fraction + test-fraction must be < 1 (val-fraction = {self.val_fraction})")
+        if self.task == "classification" and self.dataset.split(":", 1)[0] in SEGMENTATION_SOURCES:
+            raise _bad("task", self.task, f"dataset {self.dataset!r} is a segmentation source; use task='auto' or 'segmentation'")
+        if self.task == "segmentation" and self.dataset != "site" and self.dataset.split(":", 1)[0] not in SEGMENTATION_SOURCES:
+            raise _bad("task", self.task, f"dataset {self.dataset!r} has class labels, not masks; use synthetic-seg or segfolder:<root>")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -255,6 +298,15 @@ class ExperimentConfig:
                            f"no file {candidates[0]} (data-dir = {self.data_dir!r}, absolute: {data_dir.resolve()})")
         elif kind == "csv" and not Path(arg).expanduser().is_file():
             raise _bad("dataset", self.dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
+        elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
+            raise _bad("dataset", self.dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
+
+    @property
+    def model_task(self) -> str:
+        """The resolved task: 'segmentation' or 'classification'."""
+        if self.task != "auto":
+            return self.task
+        return "segmentation" if self.dataset.split(":", 1)[0] in SEGMENTATION_SOURCES else "classification"
 
     # ----- views for the layers
     def data_spec(self, **overrides: Any) -> DataSpec:
@@ -271,7 +323,7 @@ class ExperimentConfig:
         return ModelSpec(
             backbone=self.backbone, adapter=self.adapter, img_size=self.img_size, patch_size=self.patch_size,
             weights=self.backbone_weights, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
-            adapter_targets=targets, bottleneck_ratio=self.bottleneck_ratio, seed=self.seed,
+            adapter_targets=targets, bottleneck_ratio=self.bottleneck_ratio, seed=self.seed, task=self.model_task,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ File layout::
     num-supernodes: 4              # simulated sites
     seeds: [0, 1, 2]
     metrics: [auc, accuracy]       # columns of the table (default auc, accuracy, balanced_accuracy)
+    per-client: false              # true: also one table per metric with every site's value
     base: {num-rounds: 5}          # run-config shared by every run
     runs:
       - {name: fedavg, strategy: fedavg}
@@ -55,6 +56,7 @@ def load_plan(path: Path) -> dict[str, Any]:
     plan.setdefault("num-supernodes", 4)
     plan.setdefault("metrics", list(DEFAULT_METRICS))
     plan.setdefault("base", {})
+    plan.setdefault("per-client", False)
     names = set()
     for i, run in enumerate(plan["runs"]):
         if not isinstance(run, dict) or "name" not in run:
@@ -76,8 +78,9 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     if "data-dir" in out:
         out["data-dir"] = str(Path(out["data-dir"]).expanduser().resolve())
     dataset = str(out.get("dataset", ""))
-    if dataset.startswith("csv:"):
-        out["dataset"] = "csv:" + str(Path(dataset[4:]).expanduser().resolve())
+    for kind in ("csv:", "segfolder:"):
+        if dataset.startswith(kind):
+            out["dataset"] = kind + str(Path(dataset[len(kind):]).expanduser().resolve())
     weights = out.get("backbone-weights")
     if isinstance(weights, str) and weights not in ("none", "auto"):
         out["backbone-weights"] = str(Path(weights).expanduser().resolve())
@@ -120,8 +123,10 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
 def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Mean ± std over seeds of each run's final metrics, plus communication per round."""
     table: dict[str, Any] = {}
+    per_client: dict[str, Any] = {}
     for run in plan["runs"]:
         finals: dict[str, list[float]] = defaultdict(list)
+        clients: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for seed in plan["seeds"]:
             folder = out_dir / f"{safe_name(run['name'])}-seed{seed}"
             summary_path = folder / "summary.json"
@@ -130,12 +135,19 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             summary = json.loads(summary_path.read_text())
             for metric in plan["metrics"]:
                 finals[metric].append(summary["final"].get(metric))
+                for client, values in summary["per_client"].items():
+                    clients[metric][client].append(values.get(metric))
             rounds = max(summary["rounds"], 1)
             finals["bytes_per_round"].append((summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds)
         table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v))) for m, v in finals.items()}
-    result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table}
+        per_client[run["name"]] = {m: {c: _mean_std(v)[0] for c, v in sorted(by.items())} for m, by in clients.items()}
+    result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table,
+              "per_client": per_client}
     (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "comparison.md").write_text(comparison_markdown(plan, table))
+    markdown = comparison_markdown(plan, table)
+    if plan.get("per-client"):
+        markdown += per_client_markdown(plan, per_client)
+    (out_dir / "comparison.md").write_text(markdown)
     plot_overlay(plan, out_dir)
     return result
 
@@ -155,6 +167,20 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
         cells.append("–" if mb is None else f"{mb / 1e6:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any]) -> str:
+    """One table per metric: runs as rows, sites as columns (mean over seeds), plus the mean over sites."""
+    out = []
+    for metric in plan["metrics"]:
+        clients = sorted({c for row in per_client.values() for c in row.get(metric, {})})
+        out += ["", f"{metric} per site (mean over seeds {plan['seeds']}):", "",
+                "| run | " + " | ".join(clients) + " | mean |", "|---|" + "---|" * (len(clients) + 1)]
+        for name, row in per_client.items():
+            values = [row.get(metric, {}).get(c) for c in clients]
+            mean = _mean_std(values)[0]
+            out.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in values + [mean]) + " |")
+    return "\n".join(out) + "\n"
 
 
 def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:

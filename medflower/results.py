@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-HEADLINE = ("auc", "accuracy", "balanced_accuracy", "loss")
+HEADLINE = ("auc", "accuracy", "balanced_accuracy", "dice", "iou", "loss")
 
 
 def _clean(value: Any) -> Any:
@@ -67,7 +67,7 @@ class RunRecorder:
 
     def round_summary(self, rnd: int) -> str:
         evals = [r for r in self.records("eval") if r["round"] == rnd]
-        parts = [f"{m}={v:.3f}" for m in ("auc", "accuracy") if (v := _mean(r.get(m) for r in evals)) is not None]
+        parts = [f"{m}={v:.3f}" for m in ("auc", "accuracy", "dice", "iou") if (v := _mean(r.get(m) for r in evals)) is not None]
         server = [r for r in self.records("server") if r["round"] == rnd]
         if server:
             s = server[-1]
@@ -151,7 +151,7 @@ def plot_curves(evals: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [m for m in ("auc", "accuracy", "balanced_accuracy", "loss") if any(m in r for r in evals)]
+    metrics = [m for m in HEADLINE if any(m in r for r in evals)]
     fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(4 * max(len(metrics), 1), 3.2), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         by_client: dict[str, list[tuple[int, float]]] = defaultdict(list)

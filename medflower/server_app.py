@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .config import ConfigError, ExperimentConfig, safe_name
 from .data import describe_source
-from .models import build_classifier
+from .models import build_model
 from .results import RunRecorder
 from .strategies import STRATEGIES
 from .strategies.base import resolve_checkpoint_dir
@@ -43,7 +43,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             path = run_dir / stale
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     recorder = RunRecorder(run_dir)
-    initial = build_classifier(cfg.model_spec(), num_classes).get_trainable()
+    initial = build_model(cfg.model_spec(), num_classes).get_trainable()
     strategy = STRATEGIES[cfg.strategy](cfg, recorder, initial, num_classes)
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
@@ -56,7 +56,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)
     summary = recorder.finish(cfg.strategy, cfg.dataset, wall)
-    final = ", ".join(f"{k}={v:.4f}" for k, v in summary["final"].items() if k in ("auc", "accuracy") and v is not None)
+    final = ", ".join(f"{k}={v:.4f}" for k, v in summary["final"].items()
+                      if k in ("auc", "accuracy", "dice", "iou") and v is not None)
     log(INFO, "[medflower] finished %d rounds: %s; summary in %s", summary["rounds"], final, run_dir.resolve())
     return summary
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .base import ClientHalf, FederatedStrategy
 from .fedavg import FedAvg, FedProx, Local
+from .sgca import LAT, SGCA
 
-STRATEGIES: dict[str, type[FederatedStrategy]] = {s.name: s for s in (FedAvg, FedProx, Local)}
+STRATEGIES: dict[str, type[FederatedStrategy]] = {s.name: s for s in (FedAvg, FedProx, Local, SGCA, LAT)}
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

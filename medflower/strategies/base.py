@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..config import ExperimentConfig
 from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
-from ..models import AdaptedClassifier, build_classifier
+from ..models import AdaptedModel, build_model
 from ..results import RunRecorder
 from ..training import OptimizerSpec, evaluate, pick_device
 
@@ -158,6 +158,7 @@ class RoundStats:
     failed: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     aggregation_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
 
 
 def _record_bytes(content: RecordDict) -> int:
@@ -339,7 +340,8 @@ class FederatedStrategy:
             self.recorder.log_server(rnd, bytes_down=self.stats.bytes_down, bytes_up=self.stats.bytes_up,
                                      failed=self.stats.failed, rejected=self.stats.rejected,
                                      num_failed=len(self.stats.failed), num_rejected=len(self.stats.rejected),
-                                     aggregation_s=round(self.stats.aggregation_s, 4), round_s=round(round_s, 3))
+                                     aggregation_s=round(self.stats.aggregation_s, 4), round_s=round(round_s, 3),
+                                     **self.stats.extra)
             self.save_checkpoint()
             log(INFO, "[medflower] round %d/%d done in %.1fs: %s", rnd, self.cfg.num_rounds, round_s,
                 self.recorder.round_summary(rnd))
@@ -381,10 +383,10 @@ def _cached_data(spec, partition_id: int, num_partitions: int) -> ClientData:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_model(spec, num_classes: int) -> tuple[AdaptedClassifier, "OrderedDict[str, np.ndarray]"]:
+def _cached_model(spec, num_classes: int) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
     """A deterministic build and its initial trainable arrays (every handler sets all trainable
     arrays before use, so reusing the object across messages is a cache, not state)."""
-    model = build_classifier(spec, num_classes)
+    model = build_model(spec, num_classes)
     return model, model.get_trainable()
 
 
@@ -432,15 +434,19 @@ class ClientRuntime:
         if data.num_classes > expected:
             raise DataError(f"{self.data_path or self.cfg.dataset}: this site has {data.num_classes} classes "
                             f"but the run's model has {expected} (run-config num-classes)")
+        task = getattr(data, "task", "classification")
+        if task != self.cfg.model_task:
+            raise DataError(f"{self.data_path or self.cfg.dataset}: this site holds {task} data but the run "
+                            f"trains a {self.cfg.model_task} model (run-config task)")
         return data
 
     @functools.cached_property
-    def _build(self) -> tuple[AdaptedClassifier, "OrderedDict[str, np.ndarray]"]:
+    def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
         num_classes = int(self.config.get("num-classes") or self.data.num_classes)
         return _cached_model(self.cfg.model_spec(), num_classes)
 
     @property
-    def model(self) -> AdaptedClassifier:
+    def model(self) -> AdaptedModel:
         return self._build[0]
 
     @property
@@ -472,7 +478,7 @@ class ClientRuntime:
         for split in splits:
             if len(getattr(self.data, split)) == 0:
                 continue
-            metrics = evaluate(self.model, self.loader(split), self.device)
+            metrics = evaluate(self.model, self.loader(split), self.device, self.data.class_names)
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
         return out
 

@@ -1,0 +1,121 @@
+"""Server-side SGCA aggregation time: cvxpy vs closed form, at N = 10, 100 and 1000 clients.
+
+Times ``SGCA.aggregate_train`` itself (the whole step the ServerApp runs after a training phase:
+stacking the replies, distances, the mixing matrix W, Θ̂_i = Σ_j W_ij Θ_j for every client and
+splitting them back into named arrays), plus the W solve alone, for each solver.
+
+The transmitted adapters have realistic sizes: by default the lowest Medical-SAM-Adapter style
+bottleneck of ViT-B/16 (width 768, ratio 0.25: 295,872 parameters, what SAM ViT-B's encoder sends
+with lat-layers=1), and that of ViT-Tiny (width 192: 18,672 parameters). Replies are random normal
+arrays; the QP's work does not depend on their values.
+
+    python benchmarks/sgca_aggregation.py                       # N = 10, 100, 1000; both widths
+    python benchmarks/sgca_aggregation.py --clients 10 100 --cvxpy-max-clients 100
+
+Results are printed as a table and written to benchmarks/results/sgca_aggregation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from medflower.config import ExperimentConfig  # noqa: E402
+from medflower.results import RunRecorder  # noqa: E402
+from medflower.strategies.base import Reply  # noqa: E402
+from medflower.strategies.sgca import SGCA, adapter_distances, sgca_weights  # noqa: E402
+
+
+def bottleneck_arrays(width: int, ratio: float = 0.25) -> "OrderedDict[str, tuple[int, ...]]":
+    """Names and shapes of blocks.0.adapter_attn of a ViT of this width."""
+    hidden = round(width * ratio)
+    prefix = "backbone.blocks.0.adapter_attn"
+    return OrderedDict([(f"{prefix}.down.weight", (hidden, width)), (f"{prefix}.down.bias", (hidden,)),
+                        (f"{prefix}.up.weight", (width, hidden)), (f"{prefix}.up.bias", (width,))])
+
+
+def make_strategy(shapes, solver: str, workdir: Path) -> SGCA:
+    cfg = ExperimentConfig.from_run_config({"strategy": "sgca", "sgca-solver": solver, "lat-layers": 1})
+    initial = OrderedDict((k, np.zeros(s, np.float32)) for k, s in shapes.items())
+    return SGCA(cfg, RunRecorder(workdir), initial, num_classes=1)
+
+
+def make_replies(shapes, n: int, seed: int) -> list[Reply]:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(50, 500, size=n)
+    return [Reply(node_id=i, client=f"site-{i:04d}",
+                  arrays=OrderedDict((k, rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()),
+                  metrics={"num-examples": float(sizes[i])}, config={}) for i in range(n)]
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--widths", type=int, nargs="+", default=[768, 192], help="ViT widths (768 = ViT-B)")
+    parser.add_argument("--cvxpy-max-clients", type=int, default=1000, help="skip cvxpy above this N")
+    parser.add_argument("--repeats", type=int, default=3, help="closed form: best of this many runs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sgca_aggregation.json")
+    args = parser.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for width in args.widths:
+            shapes = bottleneck_arrays(width)
+            params = sum(int(np.prod(s)) for s in shapes.values())
+            for n in args.clients:
+                replies = make_replies(shapes, n, seed=n)
+                thetas = np.stack([np.concatenate([r.arrays[k].ravel() for k in shapes]) for r in replies])
+                m = np.array([r.num_examples for r in replies]) / sum(r.num_examples for r in replies)
+                d = adapter_distances(thetas)
+                row = {"width": width, "params": params, "clients": n}
+                solved = {}
+                for solver in ("closed-form", "cvxpy"):
+                    if solver == "cvxpy" and n > args.cvxpy_max_clients:
+                        continue
+                    repeats = args.repeats if solver == "closed-form" else 1
+                    strategy = make_strategy(shapes, solver, Path(tmp))
+                    row[f"{solver} step s"] = best_of(lambda: strategy.aggregate_train(1, replies), repeats)
+                    row[f"{solver} W s"] = best_of(lambda: solved.__setitem__(solver, sgca_weights(m, d, 0.8, solver)),
+                                                   repeats)
+                if "cvxpy" in solved:
+                    row["max |W_cvxpy - W_closed|"] = float(np.abs(solved["cvxpy"] - solved["closed-form"]).max())
+                    row["W speed-up"] = row["cvxpy W s"] / row["closed-form W s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    header = ["width", "params", "clients", "closed-form step s", "closed-form W s", "cvxpy step s", "cvxpy W s",
+              "W speed-up", "max |W_cvxpy - W_closed|"]
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        cells = [f"{row[h]:.3g}" if isinstance(row.get(h), float) else str(row.get(h, "–")) for h in header]
+        print("| " + " | ".join(cells) + " |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                "torch_threads": torch.get_num_threads()},
+                                    "rows": rows}, indent=1))
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

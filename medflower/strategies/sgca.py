@@ -1,0 +1,278 @@
+"""SGCA / FedSCA (seed 001): similarity-guided collaborative aggregation with low-level adapter transmission.
+
+Each round, the server turns the adapters the participants sent into one mixing matrix W (a QP per
+client over adapter distances) and sends client i its own aggregate ``Θ̂_i = Σ_j W_ij Θ_j``. Only the
+lowest ``lat-layers`` adapter modules travel (LAT); higher adapters and the head/decoder stay on the site.
+
+What leaves a site: the lowest ``lat-layers`` adapter modules after local training and the number of
+training samples n_i. Higher adapters, the head/decoder and all data stay on the site.
+
+Also here: ``lat``, the paper's LAT baseline (FedAvg over the transmitted adapters only, no cosine term):
+the same protocol with W_ij = m_j for every i.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from logging import INFO
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import Message, RecordDict
+from flwr.common.logger import log
+
+from ..models import lowest_adapter_names
+from ..training import train_epochs
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record, \
+    validate_arrays
+
+METRICS = ("l2", "l1", "cosine", "inner")
+SOLVERS = ("cvxpy", "closed-form")
+
+
+# ----------------------------------------------------------------------------- aggregation math (server)
+def adapter_distances(thetas: np.ndarray, metric: str = "l2") -> np.ndarray:
+    """D [N, N] between flattened adapters ``thetas`` [N, P]; each row divided by its largest |entry|.
+
+    l2 and l1 are distances; cosine and inner are similarities and enter as ``D = -sim`` (DESIGN 3.1).
+    Row scaling is DESIGN 3.1's *decision*, so that α means the same whatever the adapter size.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"unknown sgca-metric {metric!r}; choose one of {list(METRICS)}")
+    x = torch.as_tensor(np.asarray(thetas, dtype=np.float32))
+    if metric == "l2":
+        # Centering first keeps the Gram-matrix form accurate for adapters that sit close together.
+        xc = x - x.mean(dim=0, keepdim=True)
+        sq = (xc * xc).sum(dim=1).double()
+        d2 = sq[:, None] + sq[None, :] - 2.0 * (xc @ xc.T).double()
+        d = d2.clamp_min(0.0).sqrt()
+    elif metric == "l1":
+        d = torch.cdist(x.double(), x.double(), p=1)
+    else:
+        if metric == "cosine":
+            x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        d = -(x @ x.T).double()
+    d = d.numpy()
+    if metric in ("l2", "l1"):
+        np.fill_diagonal(d, 0.0)
+    scale = np.abs(d).max(axis=1, keepdims=True)
+    return np.divide(d, scale, out=np.zeros_like(d), where=scale > 0)
+
+
+def project_rows_onto_simplex(v: np.ndarray) -> np.ndarray:
+    """Euclidean projection of every row of ``v`` onto the probability simplex {w >= 0, Σw = 1}.
+
+    The sort-and-threshold algorithm of Held et al. (1974) / Duchi et al. (2008), vectorised over rows.
+    Hand-written: neither numpy nor scipy ships it, and cvxpy is what it replaces.
+    """
+    v = np.atleast_2d(np.asarray(v, dtype=np.float64))
+    n = v.shape[1]
+    u = -np.sort(-v, axis=1)
+    css = np.cumsum(u, axis=1) - 1.0
+    k = np.arange(1, n + 1)
+    positive = u - css / k > 0  # true for a prefix of each row
+    rho = positive.sum(axis=1) - 1
+    theta = css[np.arange(len(v)), rho] / (rho + 1)
+    return np.maximum(v - theta[:, None], 0.0)
+
+
+def sgca_weights_closed_form(m: np.ndarray, d: np.ndarray, alpha: float) -> np.ndarray:
+    """W_i = argmin_{w in simplex} Σ_j (w_j − m_j)² + α Σ_j w_j D_ij, for all i at once.
+
+    Completing the square, the objective is ‖w − (m − (α/2) D_i)‖² + const, so each row is the simplex
+    projection of ``m − (α/2) D_i``.
+    """
+    m = np.asarray(m, dtype=np.float64)
+    return project_rows_onto_simplex(m[None, :] - 0.5 * alpha * np.asarray(d, dtype=np.float64))
+
+
+def sgca_weights_cvxpy(m: np.ndarray, d: np.ndarray, alpha: float) -> np.ndarray:
+    """The same QP solved row by row with cvxpy (Clarabel, tight tolerances), as the paper does.
+
+    One parametrised problem is compiled once and re-solved for every row. Solver round-off
+    (entries of about -1e-12) is clipped and each row renormalised onto the simplex.
+    """
+    import cvxpy as cp
+
+    m = np.asarray(m, dtype=np.float64)
+    n = len(m)
+    w = cp.Variable(n)
+    d_row = cp.Parameter(n)
+    problem = cp.Problem(cp.Minimize(cp.sum_squares(w - m) + alpha * (d_row @ w)), [w >= 0, cp.sum(w) == 1])
+    out = np.empty((n, n))
+    for i in range(n):
+        d_row.value = np.asarray(d[i], dtype=np.float64)
+        problem.solve(solver=cp.CLARABEL, tol_gap_abs=1e-12, tol_gap_rel=1e-12, tol_feas=1e-12)
+        if w.value is None:
+            raise RuntimeError(f"cvxpy could not solve the SGCA QP of row {i}: status {problem.status}")
+        out[i] = w.value
+    out = np.maximum(out, 0.0)
+    return out / out.sum(axis=1, keepdims=True)
+
+
+def sgca_weights(m: np.ndarray, d: np.ndarray, alpha: float, solver: str = "cvxpy") -> np.ndarray:
+    """Mixing matrix W [N, N] (DESIGN 3.1); a single participant gives [[1]]."""
+    if len(m) == 1:
+        return np.ones((1, 1))
+    if solver == "closed-form":
+        return sgca_weights_closed_form(m, d, alpha)
+    if solver == "cvxpy":
+        return sgca_weights_cvxpy(m, d, alpha)
+    raise ValueError(f"unknown sgca-solver {solver!r}; choose one of {list(SOLVERS)}")
+
+
+def flatten(arrays: Mapping[str, np.ndarray], names: list[str]) -> np.ndarray:
+    return np.concatenate([np.asarray(arrays[n], dtype=np.float32).ravel() for n in names])
+
+
+def unflatten(vector: np.ndarray, spec: ArraySpec) -> "OrderedDict[str, np.ndarray]":
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    offset = 0
+    for name, (shape, dtype) in spec.items():
+        size = int(np.prod(shape))
+        out[name] = vector[offset:offset + size].reshape(shape).astype(dtype)
+        offset += size
+    return out
+
+
+# ----------------------------------------------------------------------------- client half
+def cosine_pull(params: Mapping[str, torch.nn.Parameter], aggregate: Mapping[str, torch.Tensor], beta: float):
+    """The client's extra loss ``−β·cos(Θ_i, Θ̂_i)`` over the flattened transmitted adapters (DESIGN 3.1)."""
+    names = list(aggregate)
+    target = torch.cat([aggregate[n].reshape(-1) for n in names])
+
+    def extra_loss(_model, _logits, _labels):
+        theta = torch.cat([params[n].reshape(-1) for n in names])
+        return -beta * torch.nn.functional.cosine_similarity(theta, target.to(theta.dtype), dim=0, eps=1e-12)
+
+    return extra_loss
+
+
+class SGCAClient(ClientHalf):
+    """Keeps every trainable array in its personal state; trains with Θ̂_i in place of its lowest adapters."""
+
+    def _received(self, message: Message) -> "OrderedDict[str, np.ndarray]":
+        rt = self.rt
+        aggregate = from_record(message.content["arrays"])
+        expected = lowest_adapter_names(rt.model.trainable_names(), rt.cfg.lat_layers)
+        if list(aggregate) != expected:
+            raise ValueError(f"received adapters {list(aggregate)[:3]}... do not match this site's lowest "
+                             f"lat-layers={rt.cfg.lat_layers} adapter modules {expected[:3]}...")
+        return aggregate
+
+    def _load(self, before: int, aggregate: Mapping[str, np.ndarray]) -> None:
+        rt = self.rt
+        personal = PersonalState(rt).load(before=before)
+        rt.model.set_trainable(personal if personal is not None else rt.initial_arrays)
+        rt.model.set_trainable(aggregate, strict=False)
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        aggregate = self._received(message)
+        self._load(rt.round, aggregate)
+        beta = float(rt.config.get("sgca-beta", rt.cfg.sgca_beta))
+        extra = None
+        if beta > 0:
+            rt.model.to(rt.device)
+            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in aggregate.items()}
+            extra = cosine_pull(rt.model.trainable_parameters(), anchor, beta)
+        torch.manual_seed(rt.seed(2))
+        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
+                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        trained = rt.model.get_trainable()
+        PersonalState(rt).save(rt.round, trained)
+        metrics["num-examples"] = len(rt.data.train)
+        return self.reply(arrays=OrderedDict((k, trained[k]) for k in aggregate), metrics=metrics)
+
+    def evaluate(self, message: Message) -> RecordDict:
+        rt = self.rt
+        self._load(rt.round + 1, self._received(message))
+        return self.reply(metrics=rt.evaluate_splits())
+
+
+# ----------------------------------------------------------------------------- server half
+class SGCA(FederatedStrategy):
+    """SGCA (FedSCA, Eq. of DESIGN 3.1): per-client aggregates of the lowest adapters from a QP over distances.
+
+    Leaves a site: the lowest ``lat-layers`` adapter modules and n_i. Comes back: Θ̂_i, one array set per node.
+    """
+
+    name = "sgca"
+    client_half = SGCAClient
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.transmitted = lowest_adapter_names(initial, cfg.lat_layers)
+        self.transmitted_spec: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict(
+            (k, self.spec[k]) for k in self.transmitted)
+        self.initial_transmitted = OrderedDict((k, np.array(initial[k])) for k in self.transmitted)
+        self.aggregates: dict[str, OrderedDict[str, np.ndarray]] = {}  # client name -> Θ̂_i
+        log(INFO, "[medflower] %s: %d of %d trainable arrays travel (lat-layers=%s): %d parameters", self.name,
+            len(self.transmitted), len(self.spec), cfg.lat_layers,
+            sum(int(np.prod(s)) for s, _ in self.transmitted_spec.values()))
+
+    # --- hooks of the default round
+    def beta(self) -> float:
+        return self.cfg.sgca_beta
+
+    def base_config(self, rnd: int, **extra: Any):
+        return super().base_config(rnd, **{"sgca-beta": self.beta(), "lat-layers": str(self.cfg.lat_layers), **extra})
+
+    def aggregate_for(self, node_id: int) -> "OrderedDict[str, np.ndarray]":
+        """Θ̂_i of the node's client: its last aggregate, or the shared initial adapters before its first."""
+        return self.aggregates.get(self.client_name(node_id), self.initial_transmitted)
+
+    def train_content(self, rnd: int, node_id: int) -> RecordDict:
+        return RecordDict({"arrays": to_record(self.aggregate_for(node_id)), "config": self.base_config(rnd)})
+
+    evaluate_content = train_content
+
+    def reply_spec(self) -> ArraySpec:
+        return self.transmitted_spec
+
+    def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        d = adapter_distances(thetas, self.cfg.sgca_metric)
+        return sgca_weights(m, d, self.cfg.sgca_alpha, self.cfg.sgca_solver)
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        """W from the valid replies (rejected ones are not in it), then Θ̂_i = Σ_j W_ij Θ_j per participant."""
+        clients = [r.client for r in replies]
+        thetas = np.stack([flatten(r.arrays, self.transmitted) for r in replies])
+        sizes = np.array([r.num_examples for r in replies], dtype=np.float64)
+        m = sizes / sizes.sum()  # m_j = n_j / Σn (the paper's m_i is a typo, DESIGN 3.1)
+        w = self.mixing_matrix(m, thetas)
+        mixed = w.astype(np.float32) @ thetas
+        for client, row in zip(clients, mixed):
+            self.aggregates[client] = unflatten(row, self.transmitted_spec)
+        self.stats.extra.update(sgca_clients=clients, sgca_W=np.round(w, 8).tolist())
+
+    # --- persistence: one Θ̂ per client
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        arrays = OrderedDict((f"{client}/{name}", value) for client, agg in sorted(self.aggregates.items())
+                             for name, value in agg.items())
+        return arrays, {"clients": sorted(self.aggregates)}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        self.aggregates = {}
+        for client in meta.get("clients", []):
+            agg = OrderedDict((name, np.array(arrays[f"{client}/{name}"])) for name in self.transmitted
+                              if f"{client}/{name}" in arrays)
+            if problem := validate_arrays(agg, self.transmitted_spec):
+                raise ValueError(f"checkpoint aggregate of {client} does not fit this model: {problem}")
+            self.aggregates[client] = agg
+
+
+class LAT(SGCA):
+    """LAT baseline: FedAvg (W_ij = m_j) over the lowest ``lat-layers`` adapters; no cosine pull.
+
+    Leaves a site: the lowest ``lat-layers`` adapter modules and n_i.
+    """
+
+    name = "lat"
+
+    def beta(self) -> float:
+        return 0.0
+
+    def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
+        return np.tile(m, (len(m), 1))
