@@ -43,10 +43,11 @@ def test_deployment_on_loopback_two_supernodes(tmp_path):
 
 
 def test_flwr_run_simulation(tmp_path):
-    """`flwr run <app> --stream` against a SuperLink in simulation mode with 3 simulated SuperNodes."""
+    """`flwr run <app> --stream --run-config "strategy='sgca'"` (the cvxpy solver) against a SuperLink in
+    simulation mode with 3 simulated SuperNodes."""
     out = tmp_path / "outputs"
     with LoopbackFederation(num_supernodes=3, simulation=True, workdir=tmp_path / "fed") as fed:
-        proc = fed.run_app({**SMALL, "strategy": "fedprox", "num-rounds": 2,
+        proc = fed.run_app({**SMALL, "strategy": "sgca", "num-rounds": 2,
                             "output-dir": str(out), "run-name": "sim"})
     summary_path = out / "sim" / "summary.json"
     assert summary_path.is_file(), proc.stdout
@@ -54,3 +55,6 @@ def test_flwr_run_simulation(tmp_path):
     assert summary["rounds"] == 2 and len(summary["per_client"]) == 3
     for name in ("metrics.jsonl", "summary.md", "curves.png", "checkpoint/state.json"):
         assert (out / "sim" / name).is_file()
+    servers = [json.loads(line) for line in (out / "sim" / "metrics.jsonl").read_text().splitlines()
+               if '"server"' in line]
+    assert [len(r["sgca_W"]) for r in servers] == [3, 3]

@@ -30,7 +30,7 @@ def test_bad_files_name_the_run_and_key(tmp_path):
 
 
 def test_runs_compare_and_plot_in_process(tmp_path, capsys):
-    plan = {"name": "mini", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["auc", "accuracy"],
+    plan = {"name": "mini", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["auc", "accuracy"], "per-client": True,
             "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
     path = write_yaml(tmp_path / "mini.yaml", plan)
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
@@ -45,5 +45,10 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     assert result["table"]["local"]["bytes_per_round"]["mean"] == 0
     table = (out / "comparison.md").read_text()
     assert "| fedavg |" in table and "±" in table
+    # per-client tables: one per metric, each site's value averaged over seeds
+    site_auc = [json.loads((out / f"local-seed{s}" / "summary.json").read_text())["per_client"]["site-1"]["auc"]
+                for s in (0, 1)]
+    assert result["per_client"]["local"]["auc"]["site-1"] == pytest.approx(sum(site_auc) / 2)
+    assert "auc per site" in table and "| run | site-0 | site-1 | mean |" in table
     assert (out / "curves.png").stat().st_size > 1000
     assert "comparison.md" in capsys.readouterr().out

@@ -69,3 +69,30 @@ def test_site_with_more_classes_than_the_model_is_refused(tmp_path):
               "num-rounds": 1, "output-dir": str(tmp_path / "out"), "run-name": "x"}
     with pytest.raises(RuntimeError, match="no node answered"):
         run_inprocess(config, num_nodes=1, node_configs=[{"data-path": str(site)}])
+
+
+def test_segmentation_sites_with_own_folders_run_sgca(tmp_path):
+    """A deployed hospital points its node-config data-path at its own images/ + masks/ folder."""
+    from medflower.data.synthetic_seg import write_segfolder
+
+    root = write_segfolder(tmp_path / "data", {"hospital-a": 0, "hospital-b": 1}, per_site=40, size=32, seed=0)
+    node_configs = [{"data-path": str(root / name), "site-name": name} for name in ("hospital-a", "hospital-b")]
+    config = {"dataset": "site", "task": "segmentation", "num-classes": 2, "strategy": "sgca",
+              "sgca-solver": "closed-form", "adapter": "bottleneck", "img-size": 32, "patch-size": 8,
+              "backbone-weights": "none", "num-rounds": 1, "output-dir": str(tmp_path / "out"), "run-name": "seg"}
+    summary, _ = run_inprocess(config, num_nodes=2, node_configs=node_configs)
+    assert sorted(summary["per_client"]) == ["hospital-a", "hospital-b"]
+    assert all("dice_class-2" in v and 0 <= v["dice"] <= 1 for v in summary["per_client"].values())
+
+
+def test_a_classification_site_in_a_segmentation_run_is_refused(tmp_path):
+    from flwr.app import Context, RecordDict
+
+    from medflower.strategies.base import ClientRuntime
+
+    site = write_site_npz(tmp_path / "s" / "pneumoniamnist.npz")
+    cfg = ExperimentConfig.from_run_config({**defaults(), "dataset": "site", "task": "segmentation", "num-classes": 2})
+    context = Context(run_id=1, node_id=1, node_config={"data-path": str(site)}, state=RecordDict(), run_config={})
+    runtime = ClientRuntime(cfg, context, {"num-classes": 2}, 0, 1, str(site))
+    with pytest.raises(DataError, match="holds classification data but the run trains a segmentation model"):
+        runtime.data
