@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .data import PARTITIONS, SOURCE_KINDS, DataSpec
+from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec
 
 
@@ -74,10 +75,6 @@ def _strategy_check(v: str) -> str | None:
     return None if v in STRATEGIES else "valid choices are " + ", ".join(STRATEGIES)
 
 
-_NO_ARG_SOURCES = ("synthetic", "synthetic-seg")
-SEGMENTATION_SOURCES = ("synthetic-seg", "segfolder")
-
-
 def _dataset_check(v: str) -> str | None:
     kind = v.split(":", 1)[0]
     valid = ("valid choices are synthetic, synthetic-seg, medmnist:<flag>, csv:<manifest.csv>, "
@@ -86,9 +83,9 @@ def _dataset_check(v: str) -> str | None:
         return None
     if kind not in SOURCE_KINDS:
         return valid
-    if kind in _NO_ARG_SOURCES and v != kind:
+    if kind in ARGLESS_KINDS and v != kind:
         return valid
-    if kind not in _NO_ARG_SOURCES and (not v.split(":", 1)[1:] or v.endswith(":")):
+    if kind not in ARGLESS_KINDS and (not v.split(":", 1)[1:] or v.endswith(":")):
         return f"'{kind}:' needs a value after the colon; " + valid
     return None
 
@@ -278,9 +275,9 @@ class ExperimentConfig:
         if self.val_fraction + self.test_fraction >= 1:
             raise _bad("test-fraction", self.test_fraction,
                        f"val-fraction + test-fraction must be < 1 (val-fraction = {self.val_fraction})")
-        if self.task == "classification" and self.dataset.split(":", 1)[0] in SEGMENTATION_SOURCES:
+        if self.task == "classification" and self._masks_in_source:
             raise _bad("task", self.task, f"dataset {self.dataset!r} is a segmentation source; use task='auto' or 'segmentation'")
-        if self.task == "segmentation" and self.dataset != "site" and self.dataset.split(":", 1)[0] not in SEGMENTATION_SOURCES:
+        if self.task == "segmentation" and self.dataset != "site" and not self._masks_in_source:
             raise _bad("task", self.task, f"dataset {self.dataset!r} has class labels, not masks; use synthetic-seg or segfolder:<root>")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
@@ -302,11 +299,15 @@ class ExperimentConfig:
             raise _bad("dataset", self.dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
 
     @property
+    def _masks_in_source(self) -> bool:
+        return self.dataset.split(":", 1)[0] in SEGMENTATION_KINDS
+
+    @property
     def model_task(self) -> str:
         """The resolved task: 'segmentation' or 'classification'."""
         if self.task != "auto":
             return self.task
-        return "segmentation" if self.dataset.split(":", 1)[0] in SEGMENTATION_SOURCES else "classification"
+        return "segmentation" if self._masks_in_source else "classification"
 
     # ----- views for the layers
     def data_spec(self, **overrides: Any) -> DataSpec:

@@ -97,15 +97,6 @@ def test_synthetic_seg_sites_differ_in_style_not_geometry():
     assert np.array_equal(same, images[0]) and not np.array_equal(other, images[0])
 
 
-def test_synthetic_seg_style_id_override():
-    source = open_source(SEG)
-    rows = np.arange(10)
-    own = source.dataset(rows, 1, SEG)
-    as_style_0 = source.dataset(rows, 1, SEG, style_id=0)
-    assert np.array_equal(own.masks, as_style_0.masks)
-    assert abs(own.images.astype(float).mean() - as_style_0.images.astype(float).mean()) > 1
-
-
 def test_seg_loader_shapes_and_nearest_resize():
     client = load_client_data(DataSpec(dataset="synthetic-seg", synthetic_size=240, partition="iid",
                                        img_size=80), 0, 2)  # rendered at 64, resized to 80 in the batch

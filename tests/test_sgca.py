@@ -159,7 +159,16 @@ def test_cosine_pull_moves_adapters_toward_the_aggregate():
 
 
 # ----------------------------------------------------------------------------- the protocol, in process
-def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny):
+def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny, monkeypatch):
+    sent_up = {}
+    original = sgca_module.SGCAClient.train
+
+    def spy(self, message):
+        content = original(self, message)
+        sent_up[(self.rt.round, self.rt.client)] = np.concatenate([a.numpy().ravel() for a in content["arrays"].values()])
+        return content
+
+    monkeypatch.setattr(sgca_module.SGCAClient, "train", spy)
     config = tiny(strategy="sgca", adapter="bottleneck", **{"run-name": "sg", "num-rounds": 2})
     summary, grid = run_inprocess(config, num_nodes=3)
     server = records(run_dir_of(config), "server")
@@ -168,14 +177,21 @@ def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny):
         assert w.shape == (3, 3) and r["sgca_clients"] == ["site-0", "site-1", "site-2"]
         assert_on_simplex(w)
     round2 = [m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"]
-    sent = [m.content["arrays"] for m in round2]
-    names = list(sent[0].keys())
+    names = list(round2[0].content["arrays"].keys())
     assert names == lowest_adapter_names(names + ["decoder.x"], 1) and len(names) == 4  # blocks.0.adapter_attn
-    first = [rec[names[0]].numpy() for rec in sent]
-    assert not np.allclose(first[0], first[1]) and not np.allclose(first[1], first[2])
-    # What came back in round 1, mixed with round 1's W, is what each node got in round 2.
-    replies = {r["client"]: r for r in records(run_dir_of(config), "train") if r["round"] == 1}
-    assert len(replies) == 3 and summary["rounds"] == 2
+    # What node i gets in round 2 is Σ_j W_ij Θ_j over the adapters the sites sent in round 1.
+    clients, w = server[0]["sgca_clients"], np.array(server[0]["sgca_W"])
+    thetas = np.stack([sent_up[(1, c)] for c in clients])
+    by_client = {site_of(grid, m.metadata.dst_node_id): m for m in round2}
+    for i, client in enumerate(clients):
+        got = np.concatenate([a.numpy().ravel() for a in by_client[client].content["arrays"].values()])
+        np.testing.assert_allclose(got, w[i] @ thetas, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(w[0] @ thetas, w[1] @ thetas)
+
+
+def site_of(grid, node_id: int) -> str:
+    """Site name of an in-process node (partition i is site-i)."""
+    return f"site-{grid.contexts[node_id].node_config['partition-id']}"
 
 
 def test_lat_layers_all_sends_every_adapter_and_lat_uses_fedavg_weights(tiny):

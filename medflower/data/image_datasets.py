@@ -59,15 +59,8 @@ class ImageFileDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
-        path = self.paths[i]
-        try:
-            with Image.open(path) as image:
-                image = image.convert("RGB").resize((self.img_size, self.img_size), Image.Resampling.BILINEAR)
-                pixels = np.asarray(image, dtype=np.uint8)
-        except (OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise DataError(
-                f"{self.manifest}: cannot open image of line {self.lines[i]} ({path}): {exc}") from exc
-        return pixels, int(self.labels[i])
+        where = f"{self.manifest}: cannot open image of line {self.lines[i]} ({self.paths[i]})"
+        return read_rgb(self.paths[i], self.img_size, where), int(self.labels[i])
 
     def take(self, positions: np.ndarray) -> ImageFileDataset:
         """Subset at ``positions``."""
@@ -75,14 +68,15 @@ class ImageFileDataset(Dataset):
                                 self.lines[positions], self.img_size, self.manifest)
 
 
-def read_rgb(path: str | Path, img_size: int) -> np.ndarray:
-    """uint8 (img_size, img_size, 3) image of ``path`` (bilinear resize); DataError naming the file."""
+def read_rgb(path: str | Path, img_size: int, where: str | None = None) -> np.ndarray:
+    """uint8 (img_size, img_size, 3) image of ``path`` (bilinear resize); DataError naming the file
+    (``where`` replaces the default "<path>: cannot open image" prefix of the message)."""
     try:
         with Image.open(path) as image:
             image = image.convert("RGB").resize((img_size, img_size), Image.Resampling.BILINEAR)
             return np.asarray(image, dtype=np.uint8)
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise DataError(f"{path}: cannot open image: {exc}") from exc
+        raise DataError(f"{where or f'{path}: cannot open image'}: {exc}") from exc
 
 
 class SegArrayDataset(Dataset):

@@ -128,11 +128,9 @@ class SyntheticSegSource(SyntheticSource):
         self.labels = self.pool.labels  # 1 if the image has a rectangle
         self.class_names = synthetic_seg.CLASS_NAMES
 
-    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec,
-                style_id: int | None = None) -> Dataset:
-        """Rows as drawn by partition ``partition_id``, in the style of ``style_id`` (default: the partition)."""
-        style_id = partition_id if style_id is None else style_id
-        images, masks = synthetic_seg.render_site(self.seed, style_id, rows, self.size, spec.img_size,
+    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
+        """Rows as drawn by partition ``partition_id`` in its own style (``render_site`` picks other styles)."""
+        images, masks = synthetic_seg.render_site(self.seed, partition_id, rows, self.size, spec.img_size,
                                                   noise_key=(self.seed, partition_id))
         return SegArrayDataset(images, masks, self.labels[rows], spec.img_size)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backbones import backbone_family, resolve_backbone
-from .classifier import AdaptedModel, build_backbone_with_adapter, check_num_classes
+from .classifier import AdaptedModel, build_backbone_with_adapter, build_classifier, check_num_classes
 from .errors import ModelError
 from .spec import ModelSpec
 
@@ -65,8 +65,7 @@ class AdaptedSegmenter(AdaptedModel):
         if self.family == "swin":  # timm Swin returns NHWC
             return tokens.permute(0, 3, 1, 2)
         tokens = tokens[:, getattr(self.backbone, "num_prefix_tokens", 0):]
-        h, w = self.backbone.patch_embed.dynamic_feat_size(x.shape[-2:]) \
-            if getattr(self.backbone, "dynamic_img_size", False) else self.backbone.patch_embed.grid_size
+        h, w = self.backbone.patch_embed.grid_size
         return tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +103,4 @@ def build_model(spec: ModelSpec, num_classes: int) -> AdaptedModel:
     """The spec's task model: AdaptedClassifier or AdaptedSegmenter."""
     if spec.task == "segmentation":
         return build_segmenter(spec, num_classes)
-    from .classifier import build_classifier
-
     return build_classifier(spec, num_classes)

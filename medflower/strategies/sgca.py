@@ -225,7 +225,7 @@ class SGCA(FederatedStrategy):
         return self.cfg.sgca_beta
 
     def base_config(self, rnd: int, **extra: Any):
-        return super().base_config(rnd, **{"sgca-beta": self.beta(), "lat-layers": str(self.cfg.lat_layers), **extra})
+        return super().base_config(rnd, **{"sgca-beta": self.beta(), **extra})
 
     def aggregate_for(self, node_id: int) -> "OrderedDict[str, np.ndarray]":
         """Θ̂_i of the node's client: its last aggregate, or the shared initial adapters before its first."""
