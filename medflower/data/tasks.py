@@ -1,0 +1,106 @@
+"""Continual task streams (FedKEI, DESIGN 3.2) from any classification source.
+
+A class order ``c_0, c_1, ..., c_T`` defines T tasks: task t (1-based) is binary, positive =
+the new class ``c_t``, negative = the classes seen before, ``{c_0, ..., c_{t-1}}`` (task 1 is
+``c_1`` vs ``c_0``). Every task has a two-output head, so heads of different tasks can be pooled.
+``task-order`` gives each client its order: ``sync`` (the given order), ``reversed``, or
+``shuffled`` (a seeded, different permutation per client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .spec import DataError
+
+TASK_ORDERS = ("sync", "reversed", "shuffled")
+_SHUFFLE_TAG = 4242  # keeps the order's random stream apart from the others
+
+
+def parse_task_classes(text: str, class_names: Sequence[str]) -> list[int]:
+    """Class indices of a comma-separated list of class names or indices; '' = the dataset's order.
+
+    Raises DataError naming the unknown entry and the valid names, or a repeated class.
+    """
+    names = list(class_names)
+    if not text.strip():
+        return list(range(len(names)))
+    order: list[int] = []
+    for raw in (part.strip() for part in text.split(",")):
+        if raw in names:
+            index = names.index(raw)
+        elif raw.isdigit() and int(raw) < len(names):
+            index = int(raw)
+        else:
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise DataError(f"task-classes: {raw!r} is neither a class name nor an index < {len(names)} "
+                            f"(classes: {shown})")
+        if index in order:
+            raise DataError(f"task-classes: class {names[index]!r} appears twice")
+        order.append(index)
+    if len(order) < 2:
+        raise DataError(f"task-classes needs at least two classes (one task), got {text!r}")
+    return order
+
+
+def count_tasks(order: Sequence[int], requested: int) -> int:
+    """Tasks in a run: ``requested``, or every class after the first when 0; DataError if too many."""
+    available = len(order) - 1
+    if requested == 0:
+        return available
+    if requested > available:
+        raise DataError(f"num-tasks = {requested} needs {requested + 1} classes in the task order, "
+                        f"but it has {len(order)}")
+    return requested
+
+
+def client_class_order(order: Sequence[int], task_order: str, seed: int, partition_id: int) -> list[int]:
+    """This client's class order: the given one, reversed, or a seeded per-client permutation."""
+    if task_order == "sync":
+        return list(order)
+    if task_order == "reversed":
+        return list(order)[::-1]
+    if task_order == "shuffled":
+        rng = np.random.default_rng([_SHUFFLE_TAG, seed, partition_id])
+        return [int(c) for c in rng.permutation(list(order))]
+    raise DataError(f"task-order {task_order!r}: valid choices are {', '.join(TASK_ORDERS)}")
+
+
+def task_classes(order: Sequence[int], task: int) -> tuple[int, list[int]]:
+    """(new class c_t, previously seen classes) of 1-based task ``task``."""
+    if not 1 <= task < len(order):
+        raise DataError(f"task {task} is outside 1..{len(order) - 1} for a class order of {len(order)}")
+    return int(order[task]), [int(c) for c in order[:task]]
+
+
+class TaskDataset(Dataset):
+    """The rows of ``dataset`` that belong to a binary task, labelled 1 (new class) or 0 (seen classes)."""
+
+    task = "classification"
+
+    def __init__(self, dataset: Dataset, positions: np.ndarray, labels: np.ndarray) -> None:
+        self.dataset = dataset
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.img_size = getattr(dataset, "img_size", None)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        image, _ = self.dataset[int(self.positions[i])]
+        return image, int(self.labels[i])
+
+    def take(self, positions: np.ndarray) -> TaskDataset:
+        return TaskDataset(self.dataset, self.positions[positions], self.labels[positions])
+
+
+def binary_task(dataset: Dataset, order: Sequence[int], task: int) -> TaskDataset:
+    """Task ``task`` of a client's split: rows of c_0..c_t, label 1 for c_t and 0 for the rest."""
+    new, seen = task_classes(order, task)
+    labels = np.asarray(dataset.labels)
+    positions = np.flatnonzero(np.isin(labels, [*seen, new]))
+    return TaskDataset(dataset, positions, (labels[positions] == new).astype(np.int64))
