@@ -108,8 +108,51 @@ class RunRecorder:
         summary = self.summary(strategy, dataset, wall_time_s, extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "summary.md").write_text(summary_markdown(summary))
-        plot_curves(self.records("eval"), self.run_dir / "curves.png", title=f"{strategy} on {dataset}")
+        evals = self.records("eval")
+        plot = plot_task_curves if any("auc_curve" in r for r in evals) else plot_curves
+        plot(evals, self.run_dir / "curves.png", title=f"{strategy} on {dataset}")
         return summary
+
+
+# ----------------------------------------------------------------------------- continual runs (FedKEI)
+CONTINUAL_METRICS = ("auc", "lca", "auc_init")
+
+
+def continual_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-task tables of a continual run (the paper's Table I): final AUC, LCA and the initial AUC.
+
+    ``tasks``: per task the mean over clients and every client's values; ``final``: the mean over tasks
+    of those means (overall AUC and LCA) plus ``task<t>_<metric>`` columns; ``per_client``: each client's
+    mean over its tasks. Non-finite values (a test split without both labels) are left out of means.
+    """
+    by_task: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in evals:
+        by_task[int(r.get("task", r["round"]))][r["client"]] = r
+    tasks: dict[str, Any] = {}
+    final: dict[str, Any] = {}
+    for task in sorted(by_task):
+        clients = by_task[task]
+        means = {m: _mean(r.get(m) for r in clients.values()) for m in CONTINUAL_METRICS}
+        tasks[str(task)] = {**means, "per_client": {c: {m: _clean(r.get(m)) for m in CONTINUAL_METRICS}
+                                                    for c, r in sorted(clients.items())}}
+        final.update({f"task{task}_{m}": v for m, v in means.items()})
+    for m in CONTINUAL_METRICS:
+        final[m] = _mean(t[m] for t in tasks.values())
+    names = sorted({c for clients in by_task.values() for c in clients})
+    per_client = {c: {m: _mean(by_task[t][c].get(m) for t in by_task if c in by_task[t]) for m in CONTINUAL_METRICS}
+                  for c in names}
+    return {"tasks": tasks, "final": final, "per_client": per_client}
+
+
+def tasks_markdown(tasks: Mapping[str, Any], final: Mapping[str, Any]) -> list[str]:
+    """Tasks as columns, then the overall mean: final AUC, LCA and AUC at initialisation (mean over clients)."""
+    names = list(tasks)
+    lines = ["| metric | " + " | ".join(f"task {t}" for t in names) + " | overall |",
+             "|---|" + "---|" * (len(names) + 1)]
+    labels = {"auc": "final AUC", "lca": "LCA", "auc_init": "AUC at init"}
+    for m in CONTINUAL_METRICS:
+        lines.append(f"| {labels[m]} | " + " | ".join(_fmt(tasks[t].get(m)) for t in names) + f" | {_fmt(final.get(m))} |")
+    return lines
 
 
 def _fmt(value: Any) -> str:
@@ -121,12 +164,17 @@ def _fmt(value: Any) -> str:
 
 
 def summary_markdown(summary: Mapping[str, Any]) -> str:
-    metrics = [m for m in HEADLINE if m in summary["final"]]
+    continual = "tasks" in summary
+    metrics = list(CONTINUAL_METRICS) if continual else [m for m in HEADLINE if m in summary["final"]]
     lines = [
         f"# {summary['strategy']} on {summary['dataset']}",
         "",
-        f"{summary['rounds']} rounds, {summary['wall_time_s']} s.",
+        f"{summary['rounds']} {'tasks' if continual else 'rounds'}, {summary['wall_time_s']} s.",
         "",
+    ]
+    if continual:
+        lines += tasks_markdown(summary["tasks"], summary["final"]) + ["", "Per client, mean over its tasks:", ""]
+    lines += [
         "| client | " + " | ".join(metrics) + " |",
         "|---|" + "---|" * len(metrics),
     ]
@@ -142,6 +190,43 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def plot_task_curves(evals: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Continual runs: test AUC after every epoch (epoch 0 = the initialisation), task after task;
+    one thin line per client, the mean in bold, a dotted line at every task boundary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len({r.get("task") for r in evals})), 3.4))
+    by_task: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in evals:
+        if isinstance(r.get("auc_curve"), list):
+            by_task[int(r.get("task", r["round"]))].append(r)
+    offset, colours = 0, {}
+    for task in sorted(by_task):
+        length = max(len(r["auc_curve"]) for r in by_task[task])
+        xs = list(range(offset, offset + length))
+        for r in sorted(by_task[task], key=lambda r: r["client"]):
+            colour = colours.setdefault(r["client"], f"C{len(colours) % 10}")
+            ax.plot(xs[:len(r["auc_curve"])], [v if v is not None else math.nan for v in r["auc_curve"]], lw=0.8,
+                    alpha=0.5, color=colour, label=r["client"] if task == min(by_task) else None)
+        mean = [_mean(r["auc_curve"][i] for r in by_task[task] if i < len(r["auc_curve"])) for i in range(length)]
+        ax.plot(xs, [v if v is not None else math.nan for v in mean], lw=2.2, color="black",
+                label="mean" if task == min(by_task) else None)
+        ax.axvline(offset - 0.5, ls=":", color="grey")
+        ax.text(offset + length / 2, 1.0, f"task {task}", ha="center", va="bottom", fontsize=8)
+        offset += length
+    ax.set_xlabel("epoch (0 = initialisation), task after task")
+    ax.set_ylabel("test AUC")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(title, pad=14)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_curves(evals: list[dict[str, Any]], path: Path, title: str) -> None:

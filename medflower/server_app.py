@@ -43,8 +43,9 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             path = run_dir / stale
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     recorder = RunRecorder(run_dir)
-    initial = build_model(cfg.model_spec(), num_classes).get_trainable()
-    strategy = STRATEGIES[cfg.strategy](cfg, recorder, initial, num_classes)
+    method = STRATEGIES[cfg.strategy]
+    initial = build_model(cfg.model_spec(), method.model_classes(num_classes)).get_trainable()
+    strategy = method(cfg, recorder, initial, num_classes)
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
         recorder.truncate_after(strategy.completed_rounds)
@@ -55,10 +56,11 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     elapsed_before = strategy.elapsed_s
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)
-    summary = recorder.finish(cfg.strategy, cfg.dataset, wall)
+    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=strategy.summary_extra())
     final = ", ".join(f"{k}={v:.4f}" for k, v in summary["final"].items()
-                      if k in ("auc", "accuracy", "dice", "iou") and v is not None)
-    log(INFO, "[medflower] finished %d rounds: %s; summary in %s", summary["rounds"], final, run_dir.resolve())
+                      if k in ("auc", "lca", "accuracy", "dice", "iou") and v is not None)
+    log(INFO, "[medflower] finished %d %ss: %s; summary in %s", summary["rounds"], strategy.round_label, final,
+        run_dir.resolve())
     return summary
 
 

@@ -84,6 +84,28 @@ def weighted_mean(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) 
     return out
 
 
+def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
+    """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
+    sizes = [int(np.prod(shape)) for shape, _ in spec.values()]
+    out = np.empty((len(replies), sum(sizes)), dtype=np.float32)
+    for j, arrays in enumerate(replies):
+        offset = 0
+        for name, size in zip(spec, sizes):
+            out[j, offset:offset + size] = np.asarray(arrays[name]).ravel()
+            offset += size
+    return out
+
+
+def unflatten(vector: np.ndarray, spec: ArraySpec) -> "OrderedDict[str, np.ndarray]":
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    offset = 0
+    for name, (shape, dtype) in spec.items():
+        size = int(np.prod(shape))
+        out[name] = vector[offset:offset + size].reshape(shape).astype(dtype)
+        offset += size
+    return out
+
+
 def derive_seed(*parts: int) -> int:
     """A 31-bit seed from integers (run seed, round, partition, purpose)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
@@ -176,6 +198,12 @@ class FederatedStrategy:
     client_half: ClassVar[type["ClientHalf"]]
     # Message actions beyond train/evaluate/query that the client half answers, e.g. ("train", "fedkei_inner").
     extra_actions: ClassVar[tuple[tuple[str, str], ...]] = ()
+    round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
+
+    @classmethod
+    def model_classes(cls, num_classes: int) -> int:
+        """Output width of the model for a dataset with ``num_classes`` classes (the same, by default)."""
+        return num_classes
 
     def __init__(self, cfg: ExperimentConfig, recorder: RunRecorder, initial: Mapping[str, np.ndarray], num_classes: int):
         self.cfg = cfg
@@ -229,6 +257,7 @@ class FederatedStrategy:
         return ConfigRecord({
             "round": rnd,
             "num-classes": self.num_classes,
+            "model-classes": self.model_classes(self.num_classes),
             "run-name": self.recorder.run_dir.name,
             "state-dir": str((self.recorder.run_dir / "client-state").resolve()),
             **extra,
@@ -262,7 +291,8 @@ class FederatedStrategy:
             if msg.has_error():
                 reason = (msg.error.reason or "").strip().splitlines()
                 reason_text = reason[-1] if reason else f"error code {msg.error.code}"
-                log(WARNING, "[medflower] round %d %s: %s failed: %s", rnd, message_type, client, reason_text)
+                log(WARNING, "[medflower] %s %d %s: %s failed: %s", self.round_label, rnd, message_type, client,
+                    reason_text)
                 self.stats.failed.append(f"{client}: {reason_text}")
                 continue
             self.stats.bytes_up += _record_bytes(msg.content)
@@ -270,15 +300,16 @@ class FederatedStrategy:
             metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
             config = dict(msg.content["info"]) if "info" in msg.content.config_records else {}
             if expect is not None and (problem := validate_arrays(arrays, expect)):
-                log(WARNING, "[medflower] round %d %s: rejected reply of %s: %s", rnd, message_type, client, problem)
+                log(WARNING, "[medflower] %s %d %s: rejected reply of %s: %s", self.round_label, rnd, message_type, client,
+                    problem)
                 self.stats.rejected.append(f"{client}: {problem}")
                 continue
             replies.append(Reply(node_id, client, arrays, metrics, config))
         for node_id in contents:
             if node_id not in answered:
                 client = self.client_name(node_id)
-                log(WARNING, "[medflower] round %d %s: no reply from %s within %.0fs", rnd, message_type, client,
-                    self.cfg.round_timeout)
+                log(WARNING, "[medflower] %s %d %s: no reply from %s within %.0fs", self.round_label, rnd, message_type,
+                    client, self.cfg.round_timeout)
                 self.stats.failed.append(f"{client}: no reply")
         return replies
 
@@ -324,15 +355,23 @@ class FederatedStrategy:
                                    f"{self.cfg.node_wait_timeout:.0f}s; run-config 'min-nodes' = {self.cfg.min_nodes}")
             time.sleep(1.0)
 
+    def total_rounds(self) -> int:
+        """Iterations of ``run``: num-rounds (FedKEI: the number of tasks)."""
+        return self.cfg.num_rounds
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Method-specific entries of summary.json (they may replace the default ``final``)."""
+        return {}
+
     def run(self, grid: Grid) -> None:
-        """Rounds completed_rounds+1 .. num-rounds, a checkpoint after each."""
+        """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
         self.wait_for_nodes(grid)
-        for rnd in range(self.completed_rounds + 1, self.cfg.num_rounds + 1):
+        for rnd in range(self.completed_rounds + 1, self.total_rounds() + 1):
             started = time.monotonic()
             self.stats = RoundStats()
             self.refresh_nodes(grid, rnd)
             if not self.nodes:
-                raise RuntimeError(f"round {rnd}: no node answered; see the warnings above")
+                raise RuntimeError(f"{self.round_label} {rnd}: no node answered; see the warnings above")
             self.run_round(grid, rnd)
             self.completed_rounds = rnd
             round_s = time.monotonic() - started
@@ -343,7 +382,7 @@ class FederatedStrategy:
                                      aggregation_s=round(self.stats.aggregation_s, 4), round_s=round(round_s, 3),
                                      **self.stats.extra)
             self.save_checkpoint()
-            log(INFO, "[medflower] round %d/%d done in %.1fs: %s", rnd, self.cfg.num_rounds, round_s,
+            log(INFO, "[medflower] %s %d/%d done in %.1fs: %s", self.round_label, rnd, self.total_rounds(), round_s,
                 self.recorder.round_summary(rnd))
 
     def run_round(self, grid: Grid, rnd: int) -> None:
@@ -442,7 +481,7 @@ class ClientRuntime:
 
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
-        num_classes = int(self.config.get("num-classes") or self.data.num_classes)
+        num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
         return _cached_model(self.cfg.model_spec(), num_classes)
 
     @property
@@ -567,7 +606,8 @@ class ClientHalf:
 
     def reply(self, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping[str, float] | None = None) -> RecordDict:
         content = RecordDict({
-            "metrics": MetricRecord({k: float(v) for k, v in (metrics or {}).items()}),
+            "metrics": MetricRecord({k: [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+                                     for k, v in (metrics or {}).items()}),
             "info": ConfigRecord({"partition-id": self.rt.partition_id, "client": self.rt.client}),
         })
         if arrays is not None:

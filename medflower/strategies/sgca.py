@@ -24,8 +24,8 @@ from flwr.common.logger import log
 
 from ..models import lowest_adapter_names
 from ..training import train_epochs
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record, \
-    validate_arrays
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, stack_flat, \
+    to_record, unflatten, validate_arrays
 
 METRICS = ("l2", "l1", "cosine", "inner")
 SOLVERS = ("cvxpy", "closed-form")
@@ -120,28 +120,6 @@ def sgca_weights(m: np.ndarray, d: np.ndarray, alpha: float, solver: str = "cvxp
     if solver == "cvxpy":
         return sgca_weights_cvxpy(m, d, alpha)
     raise ValueError(f"unknown sgca-solver {solver!r}; choose one of {list(SOLVERS)}")
-
-
-def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
-    """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
-    sizes = [int(np.prod(shape)) for shape, _ in spec.values()]
-    out = np.empty((len(replies), sum(sizes)), dtype=np.float32)
-    for j, arrays in enumerate(replies):
-        offset = 0
-        for name, size in zip(spec, sizes):
-            out[j, offset:offset + size] = np.asarray(arrays[name]).ravel()
-            offset += size
-    return out
-
-
-def unflatten(vector: np.ndarray, spec: ArraySpec) -> "OrderedDict[str, np.ndarray]":
-    out: OrderedDict[str, np.ndarray] = OrderedDict()
-    offset = 0
-    for name, (shape, dtype) in spec.items():
-        size = int(np.prod(shape))
-        out[name] = vector[offset:offset + size].reshape(shape).astype(dtype)
-        offset += size
-    return out
 
 
 # ----------------------------------------------------------------------------- client half

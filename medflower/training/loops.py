@@ -60,15 +60,21 @@ def train_epochs(
     optimizer: OptimizerSpec,
     device: torch.device,
     extra_loss: ExtraLoss | None = None,
+    after_epoch: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
-    segmentation) plus ``extra_loss``; returns mean loss and steps."""
+    segmentation) plus ``extra_loss``; returns mean loss and steps.
+
+    ``after_epoch(e)`` runs after epoch e (1-based) with the optimizer state kept across epochs
+    (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
+    """
     task = getattr(model, "task", "classification")
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer.build(params)
     total, steps, seen = 0.0, 0, 0
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
+        model.train()
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device):
@@ -84,6 +90,8 @@ def train_epochs(
             total += loss.item() * len(y)
             seen += len(y)
             steps += 1
+        if after_epoch is not None:
+            after_epoch(epoch)
     return {"train_loss": total / max(seen, 1), "train_steps": float(steps)}
 
 
