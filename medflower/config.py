@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from .data import PARTITIONS, SOURCE_KINDS, DataSpec
 from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS
+from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec
 
 
@@ -121,6 +122,10 @@ def _parse_lat_layers(v: Any) -> int | str:
     return n
 
 
+CONTINUAL_STRATEGIES = ("fedkei",)  # strategies that walk a task stream instead of rounds
+FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
+
+
 def _seed_check(v: int) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
@@ -173,6 +178,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("sgca-beta", 0.01, "sgca: weight beta of the client's -cos(theta, aggregate) term", non_negative, "sgca"),
     Option("sgca-metric", "l2", "sgca: adapter distance (similarities enter as D = -sim)", one_of("l2", "l1", "cosine", "inner"), "sgca"),
     Option("sgca-solver", "cvxpy", "sgca: QP solver; closed-form = projection onto the simplex", one_of("cvxpy", "closed-form"), "sgca"),
+    # --- continual task streams (fedkei)
+    Option("num-tasks", 0, "continual runs: tasks to walk; 0 = one per class after the first of the order", non_negative, "continual"),
+    Option("task-classes", "", "continual runs: class order c_0,c_1,... (names or indices); task t = c_t vs c_0..c_{t-1}; empty = the dataset's order", None, "continual"),
+    Option("task-order", "sync", "continual runs: sync = every client the same order, reversed, shuffled = a seeded order per client", one_of(*TASK_ORDERS), "continual"),
+    Option("task-epochs", 30, "continual runs: fine-tuning epochs per task (AUC on the task's test split after each)", positive, "continual"),
+    # --- FedKEI
+    Option("fedkei-variant", "full", "fedkei: full (bi-level), C (beta by plain gradient), B (clusters + alpha), A (per-client means + alpha); baselines rand, fedavg-init", one_of(*FEDKEI_VARIANTS), "fedkei"),
+    Option("fedkei-k-adapter", 3, "fedkei: k-means++ clusters of the pooled adapters (K = min(K, pool size))", positive, "fedkei"),
+    Option("fedkei-k-head", 3, "fedkei: k-means++ clusters of the pooled heads", positive, "fedkei"),
+    Option("fedkei-eta1", 0.05, "fedkei: inner-loop SGD step on alpha (one epoch)", non_negative, "fedkei"),
+    Option("fedkei-eta2", 0.05, "fedkei: outer step on beta", non_negative, "fedkei"),
+    Option("fedkei-grad", "exact", "fedkei: gradient through the inner loop; exact = autograd with the Hessian term, first-order = the paper's closed form", one_of("exact", "first-order"), "fedkei"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
@@ -249,6 +266,16 @@ class ExperimentConfig:
     sgca_beta: float
     sgca_metric: str
     sgca_solver: str
+    num_tasks: int
+    task_classes: str
+    task_order: str
+    task_epochs: int
+    fedkei_variant: str
+    fedkei_k_adapter: int
+    fedkei_k_head: int
+    fedkei_eta1: float
+    fedkei_eta2: float
+    fedkei_grad: str
     device: str
 
     @classmethod
@@ -279,6 +306,9 @@ class ExperimentConfig:
             raise _bad("task", self.task, f"dataset {self.dataset!r} is a segmentation source; use task='auto' or 'segmentation'")
         if self.task == "segmentation" and self.dataset != "site" and not self._masks_in_source:
             raise _bad("task", self.task, f"dataset {self.dataset!r} has class labels, not masks; use synthetic-seg or segfolder:<root>")
+        if self.strategy in CONTINUAL_STRATEGIES and self.model_task != "classification":
+            raise _bad("strategy", self.strategy, "continual task streams need a classification source "
+                       f"(dataset {self.dataset!r} is {self.model_task})")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -332,7 +362,7 @@ class ExperimentConfig:
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change when a run resumes (everything but the length and paths)."""
-        loose = {"num-rounds", "resume-from", "output-dir", "run-name", "round-timeout",
+        loose = {"num-rounds", "num-tasks", "resume-from", "output-dir", "run-name", "round-timeout",
                  "node-wait-timeout", "min-nodes", "device", "data-dir"}
         return {k: v for k, v in self.to_dict().items() if k not in loose}
 

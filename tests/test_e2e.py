@@ -24,11 +24,20 @@ SMALL = {
 
 def test_flwr_run_simulation(tmp_path):
     """`flwr run <app> --stream --run-config "strategy='sgca'"` (the cvxpy solver) against a SuperLink in
-    simulation mode with 3 simulated SuperNodes."""
+    simulation mode with 3 simulated SuperNodes; then FedKEI on the same SuperLink, whose bi-level phase
+    is the custom message action ``train.fedkei_inner``."""
     out = tmp_path / "outputs"
     with LoopbackFederation(num_supernodes=3, simulation=True, workdir=tmp_path / "fed") as fed:
         proc = fed.run_app({**SMALL, "strategy": "sgca", "num-rounds": 2,
                             "output-dir": str(out), "run-name": "sim"})
+        fedkei = fed.run_app({**SMALL, "strategy": "fedkei", "num-tasks": 2, "task-epochs": 1,
+                              "output-dir": str(out), "run-name": "kei"})
+    kei = json.loads((out / "kei" / "summary.json").read_text()) if (out / "kei" / "summary.json").is_file() else None
+    assert kei is not None, fedkei.stdout
+    assert set(kei["tasks"]) == {"1", "2"} and len(kei["tasks"]["2"]["per_client"]) == 3
+    kei_server = [json.loads(line) for line in (out / "kei" / "metrics.jsonl").read_text().splitlines()
+                  if '"server"' in line]
+    assert kei_server[1]["bytes"]["bilevel_gradients"]["replies"] == 3 and kei_server[1]["num_failed"] == 0
     summary_path = out / "sim" / "summary.json"
     assert summary_path.is_file(), proc.stdout
     summary = json.loads(summary_path.read_text())

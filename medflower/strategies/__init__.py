@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from .base import ClientHalf, FederatedStrategy
 from .fedavg import FedAvg, FedProx, Local
+from .fedkei import FedKEI
 from .sgca import LAT, SGCA
 
-STRATEGIES: dict[str, type[FederatedStrategy]] = {s.name: s for s in (FedAvg, FedProx, Local, SGCA, LAT)}
+STRATEGIES: dict[str, type[FederatedStrategy]] = {s.name: s for s in (FedAvg, FedProx, Local, SGCA, LAT, FedKEI)}
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

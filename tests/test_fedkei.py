@@ -1,0 +1,295 @@
+"""FedKEI: the bi-level gradients (exact vs finite differences, first-order vs the paper's closed form),
+the β step, k-means++ clusters, the knowledge pool, the protocol in process, faults and resume."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from medflower.config import ExperimentConfig, defaults
+from medflower.inprocess import run_inprocess
+from medflower.models import build_model
+from medflower.strategies import fedkei as fk
+from medflower.strategies.base import from_record
+
+TASKS = {"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
+
+
+def records(run_dir: Path, kind: str):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def run_dir_of(config) -> Path:
+    return Path(config["output-dir"]) / config["run-name"]
+
+
+# ----------------------------------------------------------------------------- client math on a real model
+@pytest.fixture(scope="module")
+def tiny_problem():
+    """A ViT-Tiny + LoRA module in float64, random cluster modules, fixed inner and outer batches."""
+    cfg = ExperimentConfig.from_run_config({**defaults(), "img-size": 16, "patch-size": 8, "backbone-weights": "none"})
+    model = build_model(cfg.model_spec(), 2).double().train()
+    parts = fk.split_parts(model.trainable_spec())
+    loss_fn = fk.module_loss(model, parts, model._trainable_raw)
+    gen = torch.Generator().manual_seed(0)
+    widths = [sum(int(np.prod(s)) for s, _ in spec.values()) for spec in parts.values()]
+    clusters = [0.05 * torch.randn(2, widths[0], generator=gen, dtype=torch.float64),
+                0.3 * torch.randn(3, widths[1], generator=gen, dtype=torch.float64)]
+
+    def batch(n):
+        return torch.randn(n, 3, 16, 16, generator=gen, dtype=torch.float64), torch.randint(0, 2, (n,), generator=gen)
+
+    inner = [batch(6) for _ in range(3)]
+    outer = [(batch(5), 5), (batch(3), 3)]
+    return loss_fn, clusters, inner, outer
+
+
+def outer_loss_at(loss_fn, clusters, inner, outer, eta1):
+    loop = fk.inner_loop(loss_fn, clusters, inner, eta1)
+    return fk.outer_gradient(loss_fn, [a @ c for a, c in zip(loop.alphas, clusters)], outer)[1]
+
+
+def test_exact_gradient_equals_central_finite_differences(tiny_problem):
+    loss_fn, clusters, inner, outer = tiny_problem
+    eta1, eps = 0.5, 1e-6
+    exact, loop, _ = fk.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "exact")
+    first, _, _ = fk.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "first-order")
+    assert loop.steps == 3 and not torch.allclose(loop.alphas[0].detach(), torch.full((2,), 0.5, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        direction = [torch.randn(c.shape, generator=gen, dtype=torch.float64) for c in clusters]
+        plus = outer_loss_at(loss_fn, [c + eps * d for c, d in zip(clusters, direction)], inner, outer, eta1)
+        minus = outer_loss_at(loss_fn, [c - eps * d for c, d in zip(clusters, direction)], inner, outer, eta1)
+        numeric = (plus - minus) / (2 * eps)
+        analytic = sum(float((g * d).sum()) for g, d in zip(exact, direction))
+        assert abs(analytic - numeric) / abs(numeric) < 1e-4
+        first_order = sum(float((g * d).sum()) for g, d in zip(first, direction))
+        assert abs(first_order - numeric) / abs(numeric) > 1e-3  # the Hessian term the closed form drops is real
+
+
+def test_first_order_equals_the_papers_closed_form_for_one_inner_step(tiny_problem):
+    """(∇_{θ_c} θ̃)ᵀ g' = (α'_c I − η1 θ_c gᵀ)ᵀ g' = α'_c g' − η1 g (θ_cᵀ g'), per part (Section III-D)."""
+    loss_fn, clusters, inner, outer = tiny_problem
+    eta1 = 0.5
+    got, _, _ = fk.cluster_gradients(loss_fn, clusters, inner[:1], outer, eta1, "first-order")
+    alpha0 = [torch.full((c.shape[0],), 1.0 / c.shape[0], dtype=torch.float64) for c in clusters]
+    theta = [(a @ c).requires_grad_(True) for a, c in zip(alpha0, clusters)]
+    g = torch.autograd.grad(loss_fn(theta, inner[0]), theta)
+    alpha1 = [a - eta1 * (c @ gp) for a, c, gp in zip(alpha0, clusters, g)]
+    g_out, _ = fk.outer_gradient(loss_fn, [a @ c for a, c in zip(alpha1, clusters)], outer)
+    for part, (a1, c, gp, go) in enumerate(zip(alpha1, clusters, g, g_out)):
+        expected = torch.stack([a1[k] * go - eta1 * gp * (c[k] @ go) for k in range(c.shape[0])])
+        torch.testing.assert_close(got[part], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_exact_equals_first_order_when_the_loss_is_linear_in_the_module():
+    """With a zero Hessian the dropped term vanishes: exact and first-order agree over several inner steps."""
+    gen = torch.Generator().manual_seed(0)
+    clusters = [torch.randn(3, 7, generator=gen, dtype=torch.float64), torch.randn(2, 4, generator=gen, dtype=torch.float64)]
+    batches = [(torch.randn(7, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64))
+               for _ in range(4)]
+    loss_fn = lambda thetas, b: thetas[0] @ b[0] + thetas[1] @ b[1]  # noqa: E731
+    exact, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "exact")
+    first, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "first-order")
+    direct, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "direct")
+    for e, f, d in zip(exact, first, direct):
+        torch.testing.assert_close(e, f, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(e, d)  # variant C leaves out the inner loop's dependence altogether
+
+
+def test_inner_loop_moves_alpha_toward_the_cluster_that_solves_the_task():
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    clusters = [torch.stack([target, torch.tensor([3.0, 1.0, -1.0], dtype=torch.float64)])]
+    loss_fn = lambda thetas, _b: ((thetas[0] - target) ** 2).sum()  # noqa: E731
+    loop = fk.inner_loop(loss_fn, clusters, [None] * 20, eta1=0.02)
+    alpha = loop.alphas[0]
+    assert alpha[0] > 0.9 and abs(alpha[1]) < 0.1
+    assert loss_fn([alpha @ clusters[0]], None) < 0.05 * loss_fn([torch.tensor([0.5, 0.5], dtype=torch.float64) @ clusters[0]], None)
+
+
+# ----------------------------------------------------------------------------- server math
+def test_beta_step_equals_pool_transpose_times_gradients_summed_over_clients():
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(5, 9))  # M = 5 modules of 9 parameters
+    beta = fk.normalised(np.array([[1, 0, 1, 0, 0], [0, 1, 0, 1, 1.0]]))
+    grads = [rng.normal(size=(2, 9)) for _ in range(3)]
+    got = fk.beta_step(beta, pool, grads, eta2=0.05)
+    theta_matrix = pool.T  # Θ = [θ_1 .. θ_M] as columns, Eq. 9's first factor
+    for c in range(2):
+        expected = beta[c] - 0.05 * sum(theta_matrix.T @ g[c] for g in grads)
+        np.testing.assert_allclose(got[c], expected, rtol=1e-12)
+    np.testing.assert_allclose(fk.cluster_modules(got, pool), got @ pool, rtol=1e-6)
+
+
+def test_k_equal_to_the_pool_size_makes_every_cluster_one_past_module():
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(6, 20)).astype(np.float32)
+    for k in (6, 10):  # K = min(K, M)
+        members = fk.kmeans_membership(pool, k, seed=3)
+        assert members.shape == (6, 6) and (members.sum(axis=1) == 1).all() and (members.sum(axis=0) == 1).all()
+        modules = fk.cluster_modules(fk.normalised(members), pool)
+        assert sorted(map(tuple, modules.round(5))) == sorted(map(tuple, pool.round(5)))
+    np.testing.assert_array_equal(fk.kmeans_membership(pool, 3, seed=3), fk.kmeans_membership(pool, 3, seed=3))
+
+
+def test_kmeans_groups_modules_that_are_alike_and_drops_empty_clusters():
+    rng = np.random.default_rng(1)
+    centres = rng.normal(size=(3, 12)) * 10
+    pool = np.concatenate([c + 0.01 * rng.normal(size=(4, 12)) for c in centres])
+    members = fk.kmeans_membership(pool, 3, seed=0)
+    groups = sorted(tuple(np.flatnonzero(row)) for row in members)
+    assert groups == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    duplicates = np.repeat(pool[:1], 4, axis=0)
+    assert fk.kmeans_membership(duplicates, 3, seed=0).shape == (1, 4)  # one distinct point: one cluster
+    assert fk.group_membership(["b", "a", "b"]).tolist() == [[0, 1, 0], [1, 0, 1]]
+
+
+def test_pool_files_reload_and_a_missing_file_is_named(tmp_path):
+    spec = {"backbone.a.lora_A.weight": ((2, 3), "float32"), "head.weight": ((2, 2), "float32")}
+    pool = fk.KnowledgePool(tmp_path / "pool", spec)
+    rng = np.random.default_rng(0)
+    modules = {(t, c): {k: rng.normal(size=s).astype(np.float32) for k, (s, _) in spec.items()}
+               for t in (1, 2) for c in ("site-b", "site-a")}
+    for (t, c), arrays in modules.items():
+        pool.add(t, c, arrays, 10.0 + t)
+    pool.add(2, "site-a", modules[(2, "site-a")], 12.0)  # a redone task replaces its entry
+    assert [(e.task, e.client) for e in pool.entries] == [(1, "site-a"), (1, "site-b"), (2, "site-a"), (2, "site-b")]
+    again = fk.KnowledgePool(tmp_path / "pool", spec)
+    again.restore(pool.index())
+    np.testing.assert_array_equal(again.matrix(spec), pool.matrix(spec))
+    (tmp_path / "pool" / pool.entries[0].file).unlink()
+    with pytest.raises(FileNotFoundError, match="task-001/site-a.safetensors"):
+        fk.KnowledgePool(tmp_path / "pool", spec).restore(pool.index())
+
+
+# ----------------------------------------------------------------------------- the protocol, in process
+def messages(grid, action: str, task: int):
+    return [m for m in grid.sent if m.metadata.message_type == action and m.metadata.group_id == str(task)]
+
+
+def flat(record, part):
+    return record[part].numpy()
+
+
+def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
+    captured = []
+    original = fk.beta_step
+
+    def spy(beta, pool, grads, eta2):
+        grads = list(grads)
+        out = original(beta, pool, grads, eta2)
+        captured.append((beta, pool, grads, out))
+        return out
+
+    monkeypatch.setattr(fk, "beta_step", spy)
+    config = tiny(**{**TASKS, "run-name": "full", "num-tasks": 3, "fedkei-k-adapter": 2, "fedkei-k-head": 1})
+    summary, grid = run_inprocess(config, num_nodes=3)
+    run_dir = run_dir_of(config)
+    assert messages(grid, "train.fedkei_inner", 1) == []  # task 1 has no pool yet
+    inner2 = messages(grid, "train.fedkei_inner", 2)
+    assert len(inner2) == 3 and all(m.content["config"]["grad"] == "exact" for m in inner2)
+    assert flat(inner2[0].content["arrays"], "adapter").shape[0] == 2 and flat(inner2[0].content["arrays"], "head").shape[0] == 1
+    # β step over the three clients' gradients; the fine-tune message carries θ_c(β) of the updated β
+    beta_a, pool_a, grads_a, new_a = captured[0]  # task 2, adapters
+    assert len(grads_a) == 3 and pool_a.shape[0] == 3
+    sent = flat(messages(grid, "train", 2)[0].content["arrays"], "adapter")
+    np.testing.assert_allclose(sent, new_a @ pool_a, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(new_a, beta_a)
+    # bytes: (3K+1)|θ| per client and task, adapters and heads counted with their own K
+    widths = {p: sum(int(np.prod(s)) for s, _ in spec.values()) for p, spec in fk.split_parts(
+        build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(), 2).trainable_spec()).items()}
+    server = records(run_dir, "server")
+    task3 = server[2]
+    per_client = (task3["bytes_down"] + task3["bytes_up"]) / 3
+    assert per_client == 4 * ((3 * 2 + 1) * widths["adapter"] + (3 * 1 + 1) * widths["head"])
+    assert set(task3["bytes"]) == {"bilevel_gradients", "finetune"} and task3["pool_size"] == 6
+    # outputs: per task and client final AUC, LCA and the curve; summary and the Table-I-like markdown
+    evals = records(run_dir, "eval")
+    assert sorted((r["task"], r["client"]) for r in evals) == [(t, f"site-{i}") for t in (1, 2, 3) for i in range(3)]
+    assert all(len(r["auc_curve"]) == 2 and r["auc"] == r["auc_curve"][-1] for r in evals)
+    assert set(summary["tasks"]) == {"1", "2", "3"}
+    assert summary["final"]["lca"] == pytest.approx(np.mean([summary["tasks"][t]["lca"] for t in "123"]))
+    markdown = (run_dir / "summary.md").read_text()
+    assert "| metric | task 1 | task 2 | task 3 | overall |" in markdown and "| LCA |" in markdown
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert len(list((run_dir / "checkpoint" / "pool").glob("task-*/*.safetensors"))) == 9
+
+
+@pytest.mark.parametrize("variant", ["rand", "fedavg-init", "A", "B", "C"])
+def test_variants_send_what_they_say_and_give_the_same_outputs(tiny, variant):
+    config = tiny(**{**TASKS, "run-name": variant, "fedkei-variant": variant})
+    summary, grid = run_inprocess(config, num_nodes=2)
+    inner, train = messages(grid, "train.fedkei_inner", 2), messages(grid, "train", 2)
+    init = {m.content["config"]["init"] for m in train}
+    if variant == "rand":
+        assert init == {"fresh"} and not any(m.content.array_records for m in train)
+    elif variant == "fedavg-init":
+        assert init == {"module"} and len(from_record(train[0].content["arrays"])) == 26  # the whole module
+    else:
+        assert init == {"clusters"}
+        k = flat(train[0].content["arrays"], "adapter").shape[0]
+        assert k == 2  # A: one per client; B and C: K = min(3, M = 2)
+    assert len(inner) == (2 if variant == "C" else 0)
+    if variant == "C":
+        assert {m.content["config"]["grad"] for m in inner} == {"direct"}
+    assert set(summary["tasks"]) == {"1", "2"} and {"auc", "lca", "auc_init"} <= set(summary["final"])
+
+
+def test_fedavg_init_sends_the_size_weighted_mean_of_the_pool(tiny):
+    config = tiny(**{**TASKS, "run-name": "fa", "fedkei-variant": "fedavg-init", "partition": "dirichlet",
+                              "dirichlet-alpha": 5.0})
+    _, grid = run_inprocess(config, num_nodes=2)
+    pool_dir = run_dir_of(config) / "checkpoint" / "pool"
+    state = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]["pool"]
+    task1 = [(e["num_examples"], load_file(str(pool_dir / e["file"]))) for e in state if e["task"] == 1]
+    assert len(task1) == 2 and task1[0][0] != task1[1][0]
+    sent = from_record(messages(grid, "train", 2)[0].content["arrays"])
+    total = sum(n for n, _ in task1)
+    for name, value in sent.items():
+        np.testing.assert_allclose(value, sum(n * a[name] for n, a in task1) / total, rtol=1e-5, atol=1e-7)
+
+
+def test_a_client_that_drops_out_of_the_bilevel_phase_is_left_out_of_the_beta_step(tiny, monkeypatch):
+    captured = []
+    original = fk.beta_step
+
+    def count_and_step(beta, pool, grads, eta2):
+        grads = list(grads)
+        captured.append(len(grads))
+        return original(beta, pool, grads, eta2)
+
+    monkeypatch.setattr(fk, "beta_step", count_and_step)
+
+    def drop(node_id, message):
+        return node_id == 2 and message.metadata.message_type == "train.fedkei_inner" and message.metadata.group_id == "2"
+
+    config = tiny(**{**TASKS, "run-name": "drop", "num-tasks": 3})
+    summary, grid = run_inprocess(config, num_nodes=3, drop=drop)
+    assert captured[:2] == [2, 2] and captured[2:] == [3, 3]  # task 2 without node 2 (adapter, head), task 3 with it
+    server = records(run_dir_of(config), "server")
+    assert server[1]["bilevel_clients"] == ["site-0", "site-2"] and server[1]["num_failed"] == 1
+    # node 2 still gets task 2's updated cluster modules, the same as the others, and finishes the task
+    train2 = {m.metadata.dst_node_id: flat(m.content["arrays"], "adapter") for m in messages(grid, "train", 2)}
+    np.testing.assert_array_equal(train2[2], train2[1])
+    assert sorted(r["client"] for r in records(run_dir_of(config), "eval") if r["task"] == 2) == ["site-0", "site-1", "site-2"]
+    assert 2 in {m.metadata.dst_node_id for m in messages(grid, "train.fedkei_inner", 3)}
+
+
+def test_resume_reloads_the_pool_and_equals_an_uninterrupted_run(tiny):
+    common = {**TASKS, "fedkei-grad": "first-order"}
+    full = tiny(**{**common, "run-name": "full", "num-tasks": 3})
+    run_inprocess(full, num_nodes=2)
+    part = tiny(**{**common, "run-name": "part", "num-tasks": 2})
+    run_inprocess(part, num_nodes=2)
+    # the server restarts between tasks: only the run folder on disk carries the pool over
+    summary, grid = run_inprocess(tiny(**{**common, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
+    assert summary["rounds"] == 3 and [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
+    key = lambda d: [(r["task"], r["client"], r["auc_curve"], r["train_loss"]) for r in records(d, "eval")]  # noqa: E731
+    assert key(run_dir_of(full)) == key(run_dir_of(part))
+    for path in sorted((run_dir_of(full) / "checkpoint" / "pool").glob("task-*/*.safetensors")):
+        other = run_dir_of(part) / "checkpoint" / "pool" / path.parent.name / path.name
+        x, y = load_file(str(path)), load_file(str(other))
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
