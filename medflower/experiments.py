@@ -183,13 +183,62 @@ def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any]) -> str
     return "\n".join(out) + "\n"
 
 
-def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
-    """Mean-over-clients test metric per round, averaged over seeds, one line per run."""
+def run_evals(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    return [r for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
+            if r.get("kind") == "eval"]
+
+
+def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
+    """Continual runs: test AUC after every epoch, task after task, mean over sites and seeds, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    bounds: list[int] = []
+    for run in plan["runs"]:
+        curves: dict[int, list[list[float]]] = defaultdict(list)  # task -> curves of every site and seed
+        for seed in plan["seeds"]:
+            for r in run_evals(plan, out_dir, run, seed):
+                if isinstance(r.get("auc_curve"), list):
+                    curves[int(r.get("task", r["round"]))].append(r["auc_curve"])
+        xs, ys, offset, bounds = [], [], 0, []
+        for task in sorted(curves):
+            length = max(len(c) for c in curves[task])
+            for i in range(length):
+                values = [c[i] for c in curves[task] if i < len(c) and isinstance(c[i], (int, float))
+                          and math.isfinite(c[i])]
+                xs.append(offset + i)
+                ys.append(statistics.fmean(values) if values else math.nan)
+            xs.append(math.nan)  # break the line between tasks
+            ys.append(math.nan)
+            bounds.append(offset)
+            offset += length
+        ax.plot(xs, ys, lw=1.4, label=run["name"])
+    for b in bounds:
+        ax.axvline(b - 0.5, ls=":", color="grey")
+    ax.set_xlabel("epoch (0 = initialisation), task after task")
+    ax.set_ylabel(f"test AUC, mean over sites and seeds {plan['seeds']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="lower right")
+    ax.set_title(plan["name"])
+    fig.tight_layout()
+    fig.savefig(out_dir / "curves.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
+    """Mean-over-clients test metric per round, averaged over seeds, one line per run (continual runs:
+    the per-epoch AUC curves instead)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if any("auc_curve" in r for r in run_evals(plan, out_dir, plan["runs"][0], plan["seeds"][0])):
+        plot_task_overlay(plan, out_dir)
+        return
     metrics = list(plan["metrics"])
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.3), squeeze=False)
     for run in plan["runs"]:

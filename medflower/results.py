@@ -110,7 +110,7 @@ class RunRecorder:
         (self.run_dir / "summary.md").write_text(summary_markdown(summary))
         evals = self.records("eval")
         plot = plot_task_curves if any("auc_curve" in r for r in evals) else plot_curves
-        plot(evals, self.run_dir / "curves.png", title=f"{strategy} on {dataset}")
+        plot(evals, self.run_dir / "curves.png", title=f"{_title(summary)} on {dataset}")
         return summary
 
 
@@ -155,6 +155,12 @@ def tasks_markdown(tasks: Mapping[str, Any], final: Mapping[str, Any]) -> list[s
     return lines
 
 
+def _title(summary: Mapping[str, Any]) -> str:
+    """The strategy, with its variant when it has one (``fedkei (variant C)``)."""
+    variant = summary.get("variant")
+    return f"{summary['strategy']} (variant {variant})" if variant else str(summary["strategy"])
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "–"
@@ -167,7 +173,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     continual = "tasks" in summary
     metrics = list(CONTINUAL_METRICS) if continual else [m for m in HEADLINE if m in summary["final"]]
     lines = [
-        f"# {summary['strategy']} on {summary['dataset']}",
+        f"# {_title(summary)} on {summary['dataset']}",
         "",
         f"{summary['rounds']} {'tasks' if continual else 'rounds'}, {summary['wall_time_s']} s.",
         "",

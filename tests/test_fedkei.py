@@ -213,6 +213,7 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
     assert set(summary["tasks"]) == {"1", "2", "3"}
     assert summary["final"]["lca"] == pytest.approx(np.mean([summary["tasks"][t]["lca"] for t in "123"]))
     markdown = (run_dir / "summary.md").read_text()
+    assert summary["variant"] == "full" and markdown.startswith("# fedkei (variant full) on synthetic")
     assert "| metric | task 1 | task 2 | task 3 | overall |" in markdown and "| LCA |" in markdown
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert len(list((run_dir / "checkpoint" / "pool").glob("task-*/*.safetensors"))) == 9

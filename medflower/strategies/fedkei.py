@@ -517,4 +517,4 @@ class FedKEI(FederatedStrategy):
         return updated
 
     def summary_extra(self) -> dict[str, Any]:
-        return continual_summary(self.recorder.records("eval"))
+        return {"variant": self.cfg.fedkei_variant, **continual_summary(self.recorder.records("eval"))}
