@@ -60,7 +60,7 @@ def child(args: dict) -> dict:
                                             "patch-size": args["patch_size"], "backbone-weights": "none"})
     model = build_model(cfg.model_spec(), 2).to(device).train()
     parts = fk.split_parts(model.trainable_spec())
-    loss_fn = fk.module_loss(model, parts, model._trainable_raw)
+    loss_fn = fk.module_loss(model, parts, model.parameter_paths())
     gen = torch.Generator().manual_seed(0)
     n, b, s = args["samples"], args["batch_size"], args["img_size"]
     x = torch.randn(n, 3, s, s, generator=gen)

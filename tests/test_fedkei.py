@@ -33,7 +33,7 @@ def tiny_problem():
     cfg = ExperimentConfig.from_run_config({**defaults(), "img-size": 16, "patch-size": 8, "backbone-weights": "none"})
     model = build_model(cfg.model_spec(), 2).double().train()
     parts = fk.split_parts(model.trainable_spec())
-    loss_fn = fk.module_loss(model, parts, model._trainable_raw)
+    loss_fn = fk.module_loss(model, parts, model.parameter_paths())
     gen = torch.Generator().manual_seed(0)
     widths = [sum(int(np.prod(s)) for s, _ in spec.values()) for spec in parts.values()]
     clusters = [0.05 * torch.randn(2, widths[0], generator=gen, dtype=torch.float64),
@@ -294,3 +294,13 @@ def test_resume_reloads_the_pool_and_equals_an_uninterrupted_run(tiny):
         other = run_dir_of(part) / "checkpoint" / "pool" / path.parent.name / path.name
         x, y = load_file(str(path)), load_file(str(other))
         assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_fraction_train_samples_the_sites_of_each_task(tiny):
+    config = tiny(**{**TASKS, "run-name": "half", "num-tasks": 3, "fraction-train": 0.5})
+    summary, grid = run_inprocess(config, num_nodes=2)
+    server = records(run_dir_of(config), "server")
+    assert [r["pool_size"] for r in server] == [0, 1, 2]  # one module per task joins the pool
+    for task in (1, 2, 3):
+        assert len(messages(grid, "train", task)) == 1
+    assert set(summary["tasks"]) == {"1", "2", "3"} and all(len(t["per_client"]) == 1 for t in summary["tasks"].values())

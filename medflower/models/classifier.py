@@ -65,6 +65,10 @@ class AdaptedModel(nn.Module):
     def trainable_names(self) -> list[str]:
         return list(self._trainable_raw)
 
+    def parameter_paths(self) -> "OrderedDict[str, str]":
+        """Clean trainable name -> its path in ``named_parameters()`` (what ``torch.func.functional_call`` takes)."""
+        return OrderedDict(self._trainable_raw)
+
     def trainable_parameters(self) -> "OrderedDict[str, nn.Parameter]":
         params = dict(self.named_parameters())
         return OrderedDict((clean, params[raw]) for clean, raw in self._trainable_raw.items())

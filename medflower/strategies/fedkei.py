@@ -250,7 +250,7 @@ class FedKEIClient(ClientHalf):
         rt = self.rt
         model = rt.model.to(rt.device).train()
         parts = split_parts(model.trainable_spec())
-        return module_loss(model, parts, model._trainable_raw), parts, rt.device
+        return module_loss(model, parts, model.parameter_paths()), parts, rt.device
 
     def _batches(self, data, shuffle: bool, purpose: int, device: torch.device):
         loader = make_loader(data, self.rt.cfg.batch_size, shuffle, self.rt.seed(purpose))
