@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,7 +65,7 @@ def child(args: dict) -> dict:
     x = torch.randn(n, 3, s, s, generator=gen)
     y = torch.randint(0, 2, (n,), generator=gen)
     batches = [(x[i:i + b].to(device), y[i:i + b].to(device)) for i in range(0, n, b)]
-    widths = [sum(int(np.prod(shape)) for shape, _ in spec.values()) for spec in parts.values()]
+    widths = [fk.part_width(spec) for spec in parts.values()]
     clusters = [0.02 * torch.randn(args["k"], w, generator=gen).to(device) for w in widths]
     mode = args["mode"]
 

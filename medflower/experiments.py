@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, ExperimentConfig, defaults, safe_name
-from .results import read_records
+from .results import read_records, task_curve_layout
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
 
@@ -196,28 +196,17 @@ def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 3.8))
-    bounds: list[int] = []
+    starts: dict[int, int] = {}
     for run in plan["runs"]:
         curves: dict[int, list[list[float]]] = defaultdict(list)  # task -> curves of every site and seed
         for seed in plan["seeds"]:
             for r in run_evals(plan, out_dir, run, seed):
                 if isinstance(r.get("auc_curve"), list):
                     curves[int(r.get("task", r["round"]))].append(r["auc_curve"])
-        xs, ys, offset, bounds = [], [], 0, []
-        for task in sorted(curves):
-            length = max(len(c) for c in curves[task])
-            for i in range(length):
-                values = [c[i] for c in curves[task] if i < len(c) and isinstance(c[i], (int, float))
-                          and math.isfinite(c[i])]
-                xs.append(offset + i)
-                ys.append(statistics.fmean(values) if values else math.nan)
-            xs.append(math.nan)  # break the line between tasks
-            ys.append(math.nan)
-            bounds.append(offset)
-            offset += length
+        starts, xs, ys = task_curve_layout(curves)
         ax.plot(xs, ys, lw=1.4, label=run["name"])
-    for b in bounds:
-        ax.axvline(b - 0.5, ls=":", color="grey")
+    for start in starts.values():
+        ax.axvline(start - 0.5, ls=":", color="grey")
     ax.set_xlabel("epoch (0 = initialisation), task after task")
     ax.set_ylabel(f"test AUC, mean over sites and seeds {plan['seeds']}")
     ax.grid(alpha=0.3)

@@ -198,6 +198,29 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def task_curve_layout(curves: Mapping[int, list[list[Any]]]) -> tuple[dict[int, int], list[float], list[float]]:
+    """Per-epoch AUC curves laid out task after task.
+
+    ``curves`` maps each task to its curves (one per site, or per site and seed). Returns each task's
+    first x position, and the x and mean-curve values (NaN between tasks, so a line breaks there).
+    """
+    starts: dict[int, int] = {}
+    xs: list[float] = []
+    ys: list[float] = []
+    offset = 0
+    for task in sorted(curves):
+        starts[task] = offset
+        length = max(len(c) for c in curves[task])
+        for i in range(length):
+            mean = _mean(c[i] for c in curves[task] if i < len(c))
+            xs.append(offset + i)
+            ys.append(math.nan if mean is None else mean)
+        xs.append(math.nan)
+        ys.append(math.nan)
+        offset += length
+    return starts, xs, ys
+
+
 def plot_task_curves(evals: list[dict[str, Any]], path: Path, title: str) -> None:
     """Continual runs: test AUC after every epoch (epoch 0 = the initialisation), task after task;
     one thin line per client, the mean in bold, a dotted line at every task boundary."""
@@ -206,25 +229,22 @@ def plot_task_curves(evals: list[dict[str, Any]], path: Path, title: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len({r.get("task") for r in evals})), 3.4))
     by_task: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in evals:
         if isinstance(r.get("auc_curve"), list):
             by_task[int(r.get("task", r["round"]))].append(r)
-    offset, colours = 0, {}
-    for task in sorted(by_task):
-        length = max(len(r["auc_curve"]) for r in by_task[task])
-        xs = list(range(offset, offset + length))
+    starts, xs, mean = task_curve_layout({t: [r["auc_curve"] for r in rs] for t, rs in by_task.items()})
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(by_task)), 3.4))
+    colours: dict[str, str] = {}
+    for task, start in starts.items():
         for r in sorted(by_task[task], key=lambda r: r["client"]):
             colour = colours.setdefault(r["client"], f"C{len(colours) % 10}")
-            ax.plot(xs[:len(r["auc_curve"])], [v if v is not None else math.nan for v in r["auc_curve"]], lw=0.8,
-                    alpha=0.5, color=colour, label=r["client"] if task == min(by_task) else None)
-        mean = [_mean(r["auc_curve"][i] for r in by_task[task] if i < len(r["auc_curve"])) for i in range(length)]
-        ax.plot(xs, [v if v is not None else math.nan for v in mean], lw=2.2, color="black",
-                label="mean" if task == min(by_task) else None)
-        ax.axvline(offset - 0.5, ls=":", color="grey")
-        ax.text(offset + length / 2, 1.0, f"task {task}", ha="center", va="bottom", fontsize=8)
-        offset += length
+            ax.plot(range(start, start + len(r["auc_curve"])), [math.nan if v is None else v for v in r["auc_curve"]],
+                    lw=0.8, alpha=0.5, color=colour, label=r["client"] if task == min(starts) else None)
+        ax.axvline(start - 0.5, ls=":", color="grey")
+        length = max(len(r["auc_curve"]) for r in by_task[task])
+        ax.text(start + length / 2, 1.0, f"task {task}", ha="center", va="bottom", fontsize=8)
+    ax.plot(xs, mean, lw=2.2, color="black", label="mean")
     ax.set_xlabel("epoch (0 = initialisation), task after task")
     ax.set_ylabel("test AUC")
     ax.grid(alpha=0.3)

@@ -32,8 +32,8 @@ def test_flwr_run_simulation(tmp_path):
                             "output-dir": str(out), "run-name": "sim"})
         fedkei = fed.run_app({**SMALL, "strategy": "fedkei", "num-tasks": 2, "task-epochs": 1,
                               "output-dir": str(out), "run-name": "kei"})
-    kei = json.loads((out / "kei" / "summary.json").read_text()) if (out / "kei" / "summary.json").is_file() else None
-    assert kei is not None, fedkei.stdout
+    assert (out / "kei" / "summary.json").is_file(), fedkei.stdout
+    kei = json.loads((out / "kei" / "summary.json").read_text())
     assert set(kei["tasks"]) == {"1", "2"} and len(kei["tasks"]["2"]["per_client"]) == 3
     kei_server = [json.loads(line) for line in (out / "kei" / "metrics.jsonl").read_text().splitlines()
                   if '"server"' in line]

@@ -35,7 +35,7 @@ def tiny_problem():
     parts = fk.split_parts(model.trainable_spec())
     loss_fn = fk.module_loss(model, parts, model.parameter_paths())
     gen = torch.Generator().manual_seed(0)
-    widths = [sum(int(np.prod(s)) for s, _ in spec.values()) for spec in parts.values()]
+    widths = [fk.part_width(spec) for spec in parts.values()]
     clusters = [0.05 * torch.randn(2, widths[0], generator=gen, dtype=torch.float64),
                 0.3 * torch.randn(3, widths[1], generator=gen, dtype=torch.float64)]
 
@@ -199,7 +199,7 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
     np.testing.assert_allclose(sent, new_a @ pool_a, rtol=1e-4, atol=1e-6)
     assert not np.allclose(new_a, beta_a)
     # bytes: (3K+1)|θ| per client and task, adapters and heads counted with their own K
-    widths = {p: sum(int(np.prod(s)) for s, _ in spec.values()) for p, spec in fk.split_parts(
+    widths = {p: fk.part_width(spec) for p, spec in fk.split_parts(
         build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(), 2).trainable_spec()).items()}
     server = records(run_dir, "server")
     task3 = server[2]

@@ -40,7 +40,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import safe_name
-from ..data import DataError, make_loader
+from ..data import DataError, describe_source, make_loader
 from ..data.tasks import binary_task, client_class_order, count_tasks, parse_task_classes
 from ..models import adapter_module
 from ..results import continual_summary
@@ -50,6 +50,11 @@ from .base import ArraySpec, ClientHalf, FederatedStrategy, Reply, derive_seed, 
 
 PARTS = ("adapter", "head")  # clustered, weighted and sent separately (the paper's two parameter spaces)
 GRAD_MODES = ("exact", "first-order", "direct")  # direct = variant C (no back-propagation through the inner loop)
+
+
+def part_width(spec: ArraySpec) -> int:
+    """Parameters of a part: the length of its flattened vector."""
+    return sum(int(np.prod(shape)) for shape, _ in spec.values())
 
 
 def split_parts(spec: ArraySpec) -> "OrderedDict[str, OrderedDict[str, tuple[tuple[int, ...], str]]]":
@@ -229,7 +234,7 @@ class FedKEIClient(ClientHalf):
 
     @property
     def task(self) -> int:
-        return int(self.rt.config["task"])
+        return self.rt.round  # one iteration of the server loop is one task
 
     def class_order(self) -> list[int]:
         rt = self.rt
@@ -257,12 +262,17 @@ class FedKEIClient(ClientHalf):
         for x, y in loader:
             yield (x.to(device), y.to(device)), len(y)
 
+    def _inner_batches(self, train, device: torch.device):
+        """The inner loop's epoch: the same batches in the bi-level and the fine-tune phase, so α̂ is the
+        α_i^t that β was tuned for."""
+        return (batch for batch, _ in self._batches(train, True, 4, device))
+
     def _clusters(self, message: Message, parts: Mapping[str, ArraySpec], device: torch.device) -> list[torch.Tensor]:
         record = message.content["arrays"]
         clusters = []
         for part, spec in parts.items():
             value = record[part].numpy()
-            width = sum(int(np.prod(s)) for s, _ in spec.values())
+            width = part_width(spec)
             if value.ndim != 2 or value.shape[1] != width:
                 raise ValueError(f"received {part} cluster modules of shape {value.shape}; this site's {part} "
                                  f"has {width} parameters")
@@ -277,8 +287,7 @@ class FedKEIClient(ClientHalf):
         train = self.task_split("train")
         torch.manual_seed(self.rt.seed(3))
         grads, inner, outer_loss = cluster_gradients(
-            loss_fn, clusters, (b for b, _ in self._batches(train, True, 4, device)),
-            self._batches(train, False, 5, device), float(self.rt.config["eta1"]), str(self.rt.config["grad"]))
+            loss_fn, clusters, self._inner_batches(train, device), self._batches(train, False, 5, device), float(self.rt.config["eta1"]), str(self.rt.config["grad"]))
         arrays = OrderedDict((part, g.cpu().numpy().astype(np.float32)) for part, g in zip(parts, grads))
         return self.reply(arrays=arrays, metrics={
             "num-examples": len(train), "inner_loss": inner.mean_loss, "outer_loss": outer_loss,
@@ -297,9 +306,7 @@ class FedKEIClient(ClientHalf):
         elif init == "clusters":
             clusters = self._clusters(message, parts, device)
             started = time.monotonic()
-            # the same batches as the bi-level phase's inner loop, so α̂ is the α_i^t that β was tuned for
-            inner = inner_loop(loss_fn, clusters, (b for b, _ in self._batches(train, True, 4, device)),
-                               float(rt.config["eta1"]))
+            inner = inner_loop(loss_fn, clusters, self._inner_batches(train, device), float(rt.config["eta1"]))
             theta = [a @ c for a, c in zip(inner.alphas, clusters)]
             module = OrderedDict()
             for vector, spec in zip(theta, parts.values()):
@@ -350,11 +357,19 @@ class KnowledgePool:
     def __init__(self, directory: Path, spec: ArraySpec):
         self.dir = Path(directory)
         self.spec = spec
-        self.entries: list[PoolEntry] = []
-        self.modules: list[OrderedDict[str, np.ndarray]] = []
+        self._items: dict[tuple[int, str], tuple[PoolEntry, OrderedDict[str, np.ndarray]]] = {}
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._items)
+
+    @property
+    def entries(self) -> list[PoolEntry]:
+        """In (task, client) order, whatever order the replies arrived in (k-means++ depends on it)."""
+        return [entry for _, (entry, _) in sorted(self._items.items())]
+
+    @property
+    def modules(self) -> list[OrderedDict[str, np.ndarray]]:
+        return [module for _, (_, module) in sorted(self._items.items())]
 
     def add(self, task: int, client: str, arrays: Mapping[str, np.ndarray], num_examples: float) -> None:
         file = f"task-{task:03d}/{safe_name(client) or 'client'}.safetensors"
@@ -364,19 +379,15 @@ class KnowledgePool:
         save_file({k: np.ascontiguousarray(arrays[k]) for k in self.spec}, str(tmp),
                   metadata={"task": str(task), "client": client, "num_examples": str(num_examples)})
         os.replace(tmp, path)
-        keep = [i for i, e in enumerate(self.entries) if (e.task, e.client) != (task, client)]
-        self.entries = [self.entries[i] for i in keep] + [PoolEntry(task, client, float(num_examples), file)]
-        self.modules = [self.modules[i] for i in keep] + [OrderedDict((k, np.array(arrays[k])) for k in self.spec)]
-        order = sorted(range(len(self.entries)), key=lambda i: (self.entries[i].task, self.entries[i].client))
-        self.entries = [self.entries[i] for i in order]
-        self.modules = [self.modules[i] for i in order]
+        self._items[(task, client)] = (PoolEntry(task, client, float(num_examples), file),
+                                       OrderedDict((k, np.array(arrays[k])) for k in self.spec))
 
     def index(self) -> list[dict[str, Any]]:
         return [asdict(e) for e in self.entries]
 
     def restore(self, index: list[dict[str, Any]]) -> None:
         """Reload the entries of a checkpoint's index; a missing or mismatched file is an error naming it."""
-        self.entries, self.modules = [], []
+        self._items = {}
         for item in index:
             entry = PoolEntry(**item)
             path = self.dir / entry.file
@@ -385,8 +396,7 @@ class KnowledgePool:
             arrays = load_file(str(path))
             if problem := validate_arrays(arrays, self.spec):
                 raise ValueError(f"knowledge pool file {path} does not fit this model: {problem}")
-            self.entries.append(entry)
-            self.modules.append(OrderedDict((k, arrays[k]) for k in self.spec))
+            self._items[(entry.task, entry.client)] = (entry, OrderedDict((k, arrays[k]) for k in self.spec))
 
     def matrix(self, spec: ArraySpec) -> np.ndarray:
         """[M, P] float32: the pooled modules' ``spec`` arrays flattened, one row per entry."""
@@ -417,13 +427,11 @@ class FedKEI(FederatedStrategy):
         self.num_tasks = count_tasks(self._server_class_order(), cfg.num_tasks)
         log(INFO, "[medflower] fedkei (variant %s, %s gradient): %d tasks; module %d adapter + %d head parameters",
             cfg.fedkei_variant, cfg.fedkei_grad, self.num_tasks,
-            *(sum(int(np.prod(s)) for s, _ in spec.values()) for spec in self.parts.values()))
+            *(part_width(spec) for spec in self.parts.values()))
 
     def _server_class_order(self) -> list[int]:
         if self.cfg.dataset == "site":  # class names live on the sites only
             return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
-        from ..data import describe_source
-
         return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
 
     def total_rounds(self) -> int:
@@ -437,15 +445,15 @@ class FedKEI(FederatedStrategy):
         self.pool.restore(meta.get("pool", []))
 
     # ------------------------------------------------------------------ one task
-    def weights(self, task: int) -> dict[str, np.ndarray]:
+    def weights(self, task: int, pools: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Initial intra-cluster weights β per part: k-means++ membership (B, C, full) or per client (A)."""
         beta = {}
-        for i, (part, spec) in enumerate(self.parts.items()):
+        for i, part in enumerate(self.parts):
             if self.cfg.fedkei_variant == "A":
                 members = group_membership([e.client for e in self.pool.entries])
             else:
                 k = self.cfg.fedkei_k_adapter if part == "adapter" else self.cfg.fedkei_k_head
-                members = kmeans_membership(self.pool.matrix(spec), k, derive_seed(self.cfg.seed, task, 31 + i))
+                members = kmeans_membership(pools[part], k, derive_seed(self.cfg.seed, task, 31 + i))
             beta[part] = normalised(members)
         return beta
 
@@ -461,7 +469,7 @@ class FedKEI(FederatedStrategy):
     def run_round(self, grid, task: int) -> None:
         variant = self.cfg.fedkei_variant
         nodes = self.sample_nodes(task)
-        config = {"task": task, "eta1": self.cfg.fedkei_eta1}
+        config = {"eta1": self.cfg.fedkei_eta1}
         extra = self.stats.extra
         extra.update(task=task, variant=variant, pool_size=len(self.pool))
         if task == 1 or variant == "rand" or len(self.pool) == 0:
@@ -472,8 +480,8 @@ class FedKEI(FederatedStrategy):
         else:
             init = "clusters"
             started = time.monotonic()
-            beta = self.weights(task)
             pools = {part: self.pool.matrix(spec) for part, spec in self.parts.items()}
+            beta = self.weights(task, pools)
             extra.update({f"k_{p}": int(b.shape[0]) for p, b in beta.items()})
             extra.update({f"clusters_{p}": [[int(j) for j in np.flatnonzero(row)] for row in b]
                           for p, b in beta.items()})
@@ -501,7 +509,7 @@ class FedKEI(FederatedStrategy):
         clusters = OrderedDict((p, cluster_modules(beta[p], pools[p])) for p in self.parts)
         expect = OrderedDict((p, (tuple(c.shape), "float32")) for p, c in clusters.items())
         contents = {n: RecordDict({"arrays": to_record(clusters), "config": self.base_config(
-            task, task=task, eta1=self.cfg.fedkei_eta1, grad=mode)}) for n in nodes}
+            task, eta1=self.cfg.fedkei_eta1, grad=mode)}) for n in nodes}
         replies = self._phase(grid, "train.fedkei_inner", contents, task, expect, "bilevel_gradients")
         for reply in replies:
             self.recorder.log_client(task, reply.client, "bilevel", reply.metrics, task=task)

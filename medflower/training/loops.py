@@ -69,12 +69,12 @@ def train_epochs(
     (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
     """
     task = getattr(model, "task", "classification")
-    model.to(device).train()
+    model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer.build(params)
     total, steps, seen = 0.0, 0, 0
     for epoch in range(1, epochs + 1):
-        model.train()
+        model.train()  # after_epoch may have evaluated in eval mode
         for x, y in loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device):
