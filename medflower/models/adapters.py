@@ -10,8 +10,9 @@ from peft import IA3Config, LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from .errors import ModelError
+from .qk_delta import QK_ADAPTERS, add_qk_adapters
 
-ADAPTERS = ("lora", "ia3", "bottleneck", "none")
+ADAPTERS = ("lora", "ia3", "bottleneck", *QK_ADAPTERS, "none")
 
 # Module-name suffixes targeted by default (timm ViT/Swin fuse q,k,v into one `qkv` Linear).
 _TRANSFORMER_TARGETS = {"lora": ("qkv",), "ia3": ("qkv", "fc2")}
@@ -21,9 +22,14 @@ _RESNET_BLOCK_CONV = re.compile(r"layer\d+\.\d+\.conv\d+")
 
 def inject_adapter(backbone: nn.Module, adapter: str, family: str, *, targets: Sequence[str] = (),
                    lora_rank: int = 8, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
-                   bottleneck_ratio: float = 0.25, backbone_name: str = "") -> None:
+                   bottleneck_ratio: float = 0.25, n_frequency: int = 3000, fourier_scale: float = 150.0,
+                   backbone_name: str = "") -> None:
     """Add ``adapter`` to ``backbone`` in place (parameters of the new modules are new nn.Parameters)."""
     if adapter == "none":
+        return
+    if adapter in QK_ADAPTERS:
+        add_qk_adapters(backbone, adapter, n_frequency=n_frequency, fourier_scale=fourier_scale,
+                        lora_rank=lora_rank, lora_alpha=lora_alpha, backbone_name=backbone_name)
         return
     if adapter == "bottleneck":
         add_bottleneck_adapters(backbone, bottleneck_ratio, backbone_name=backbone_name)

@@ -120,7 +120,8 @@ def build_backbone_with_adapter(spec: ModelSpec) -> tuple[nn.Module, list[str], 
     torch.manual_seed(spec.seed + _ADAPTER_SEED_OFFSET)
     inject_adapter(backbone, spec.adapter, family, targets=spec.adapter_targets, lora_rank=spec.lora_rank,
                    lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                   bottleneck_ratio=spec.bottleneck_ratio, backbone_name=spec.backbone)
+                   bottleneck_ratio=spec.bottleneck_ratio, n_frequency=spec.n_frequency,
+                   fourier_scale=spec.fourier_scale, backbone_name=spec.backbone)
     adapter_param_names = [n for n, p in backbone.named_parameters() if id(p) not in base_params]
     feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
     return backbone, adapter_param_names, weights_source, feature_dim

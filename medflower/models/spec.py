@@ -25,6 +25,8 @@ class ModelSpec:
     lora_dropout: float = 0.0
     adapter_targets: tuple[str, ...] = ()   # module-name suffixes (or "a,b" string); () = per-family default
     bottleneck_ratio: float = 0.25
+    n_frequency: int = 3000         # fourier: trainable spectral coefficients per adapted matrix
+    fourier_scale: float = 150.0    # fourier: ΔW = Re(IDFT2(S)) * scale (peft FourierFT's default scaling)
     seed: int = 0                   # seeds backbone, adapter and head init: same spec -> identical model
     task: str = "classification"    # classification (linear head) | segmentation (light decoder)
 
@@ -43,6 +45,7 @@ class ModelSpec:
         _check(self.patch_size >= 0, "patch_size", self.patch_size, "0 (backbone default) or an integer >= 1")
         _check(self.lora_rank >= 1, "lora_rank", self.lora_rank, "an integer >= 1")
         _check(0.0 <= self.lora_dropout < 1.0, "lora_dropout", self.lora_dropout, "in [0, 1)")
+        _check(self.n_frequency >= 1, "n_frequency", self.n_frequency, "an integer >= 1")
         _check(self.bottleneck_ratio > 0.0, "bottleneck_ratio", self.bottleneck_ratio, "> 0")
 
 
