@@ -77,7 +77,7 @@ def site_rows(sites=("b-hosp", "a-hosp", "c-hosp"), per_site=12, num_classes=2) 
 
 def test_public_constants():
     assert SOURCE_KINDS == ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
-    assert PARTITIONS == ("natural", "iid", "dirichlet", "pathological")
+    assert PARTITIONS == ("natural", "iid", "dirichlet", "pathological", "qbli")
     with pytest.raises(DataError, match="partition"):
         DataSpec(partition="random")
     with pytest.raises(DataError, match="dataset"):

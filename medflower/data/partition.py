@@ -37,17 +37,20 @@ def partition_rows(spec: DataSpec, num_partitions: int) -> Partitioning:
     """The partitioning of ``spec``'s pool into ``num_partitions`` parts (cached, deterministic)."""
     if num_partitions < 1:
         raise DataError(f"num_partitions must be >= 1, got {num_partitions}")
-    if spec.partition in ("dirichlet", "pathological") and source_task(spec) == "segmentation":
+    if spec.partition in ("dirichlet", "pathological", "qbli") and source_task(spec) == "segmentation":
         raise DataError(f"dataset {spec.dataset!r}: segmentation sources support natural or iid partitions, "
                         f"not {spec.partition!r}")
+    qbli = (spec.qbli_classes, spec.task_classes, spec.classes_per_task) if spec.partition == "qbli" else None
     return _partition_cached(source_key(spec), spec.partition, spec.dirichlet_alpha,
-                             spec.pathological_k, spec.seed, num_partitions)
+                             spec.pathological_k, spec.seed, num_partitions, qbli)
 
 
 @lru_cache(maxsize=16)
 def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: int,
-                      num_partitions: int) -> Partitioning:
+                      num_partitions: int, qbli: tuple[int, str, int] | None = None) -> Partitioning:
     import datasets  # heavy imports, deferred so that importing the package stays fast
+
+    datasets.disable_progress_bars()  # one bar per partitioner call would flood the sites' logs
 
     source = open_source_by_key(key)
     if num_partitions > len(source):
@@ -65,12 +68,16 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
         # partition from being, e.g., all of a source's official train rows and none of its test rows.
         table = table.shuffle(seed=seed).flatten_indices()
     try:
-        if partition == "dirichlet":
+        if partition == "qbli":
+            rows = _qbli_rows(table, task_groups(source.class_names, qbli[1], qbli[2]), qbli[0],
+                              num_partitions, seed)
+        elif partition == "dirichlet":
             partitioner = _dirichlet(table, num_partitions, alpha, seed)
         else:
             partitioner = _partitioner(partition, num_partitions, k, seed)
             partitioner.dataset = table
-        rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions))
+        if partition != "qbli":
+            rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions))
     except ValueError as exc:
         raise DataError(f"{source.name}: cannot make a {partition!r} partitioning into "
                         f"{num_partitions} partitions: {exc}") from exc
@@ -95,6 +102,47 @@ def _partitioner(partition: str, num_partitions: int, k: int, seed: int) -> Part
                                        num_classes_per_partition=k, seed=seed,
                                        class_assignment_mode="first-deterministic")
     return NaturalIdPartitioner(partition_by="site")
+
+
+def task_groups(class_names: list[str], task_classes: str, classes_per_task: int) -> list[list[int]]:
+    """Consecutive groups of ``classes_per_task`` classes of the task order; classes outside it form a last group."""
+    from .tasks import parse_task_classes
+
+    order = parse_task_classes(task_classes, class_names)
+    groups = [order[i:i + classes_per_task] for i in range(0, len(order), classes_per_task)]
+    rest = [c for c in range(len(class_names)) if c not in order]
+    return groups + ([rest] if rest else [])
+
+
+def _qbli_rows(table: datasets.Dataset, groups: list[list[int]], k: int, num_partitions: int,
+               seed: int) -> tuple[np.ndarray, ...]:
+    """Quantity-based label imbalance per task (NIID-bench's #C=k within each group of classes).
+
+    For every group, flwr-datasets' PathologicalPartitioner gives each partition ``k`` of the group's classes
+    and splits each class's rows evenly over the partitions holding it ("first-deterministic": every class
+    has a holder when there are as many partitions as classes in a group). The partition ids are rotated
+    by the group index, so the same site does not always get the first class of every task.
+    """
+    from flwr_datasets.partitioner import PathologicalPartitioner
+
+    labels = np.asarray(table["label"])
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    for g, group in enumerate(groups):
+        positions = np.flatnonzero(np.isin(labels, group))
+        if positions.size == 0:
+            continue
+        partitioner = PathologicalPartitioner(
+            num_partitions=num_partitions, partition_by="label", num_classes_per_partition=min(k, len(group)),
+            class_assignment_mode="first-deterministic", seed=seed + g)
+        partitioner.dataset = table.select(positions)
+        for p in range(num_partitions):
+            parts[(p + g) % num_partitions].append(_rows_of(partitioner, p))
+    rows = []
+    for chunks in parts:
+        joined = np.sort(np.concatenate(chunks)) if chunks else np.zeros(0, dtype=np.int64)
+        joined.setflags(write=False)
+        rows.append(joined)
+    return tuple(rows)
 
 
 def _dirichlet(table: datasets.Dataset, num_partitions: int, alpha: float, seed: int) -> Partitioner:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
 ARGLESS_KINDS = ("synthetic", "synthetic-seg")  # kinds written without ":<argument>"
 SEGMENTATION_KINDS = ("synthetic-seg", "segfolder")
-PARTITIONS = ("natural", "iid", "dirichlet", "pathological")
+PARTITIONS = ("natural", "iid", "dirichlet", "pathological", "qbli")
 MAX_LISTED_ROWS = 10
 
 
@@ -30,9 +30,14 @@ class DataSpec:
     # "synthetic" | "medmnist:<flag>" | "csv:<manifest path>" | "synthetic-seg" | "segfolder:<root>"
     dataset: str = "synthetic"
     data_dir: str = "data"  # folder of <flag>.npz / <flag>_<size>.npz for medmnist
-    partition: str = "dirichlet"  # natural | iid | dirichlet | pathological
+    partition: str = "dirichlet"  # natural | iid | dirichlet | pathological | qbli
     dirichlet_alpha: float = 0.5
     pathological_k: int = 2  # classes per client
+    # qbli: every client holds qbli_classes classes of each group of classes_per_task consecutive classes of
+    # the task order task_classes ('' = the dataset's order), i.e. of each class-incremental task
+    qbli_classes: int = 1
+    task_classes: str = ""
+    classes_per_task: int = 2
     val_fraction: float = 0.1
     test_fraction: float = 0.2
     img_size: int = 32
@@ -53,6 +58,9 @@ class DataSpec:
             problems.append(f"dirichlet_alpha must be > 0, got {self.dirichlet_alpha}")
         if self.pathological_k < 1:
             problems.append(f"pathological_k must be >= 1, got {self.pathological_k}")
+        if self.qbli_classes < 1 or self.classes_per_task < 1:
+            problems.append(f"qbli_classes and classes_per_task must be >= 1, got {self.qbli_classes} and "
+                            f"{self.classes_per_task}")
         if not (0 <= self.val_fraction < 1 and 0 <= self.test_fraction < 1):
             problems.append("val_fraction and test_fraction must be in [0, 1)")
         elif self.val_fraction + self.test_fraction >= 1:

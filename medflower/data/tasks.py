@@ -1,4 +1,5 @@
-"""Continual task streams (FedKEI, DESIGN 3.2) from any classification source.
+"""Continual task streams from any classification source: FedKEI's binary tasks (DESIGN 3.2) and
+pFedMxF's class-incremental tasks (DESIGN 3.3, at the end of this module).
 
 A class order ``c_0, c_1, ..., c_T`` defines T tasks: task t (1-based) is binary, positive =
 the new class ``c_t``, negative = the classes seen before, ``{c_0, ..., c_{t-1}}`` (task 1 is
@@ -104,3 +105,33 @@ def binary_task(dataset: Dataset, order: Sequence[int], task: int) -> TaskDatase
     labels = np.asarray(dataset.labels)
     positions = np.flatnonzero(np.isin(labels, [*seen, new]))
     return TaskDataset(dataset, positions, (labels[positions] == new).astype(np.int64))
+
+
+# ----------------------------------------------------------------------------- class-incremental (pFedMxF)
+def count_incremental_tasks(order: Sequence[int], classes_per_task: int, requested: int) -> int:
+    """Tasks of ``classes_per_task`` classes in a run: ``requested``, or every full group when 0."""
+    available = len(order) // classes_per_task
+    if available == 0:
+        raise DataError(f"classes-per-task = {classes_per_task} is more than the {len(order)} classes of the "
+                        f"task order")
+    if requested == 0:
+        return available
+    if requested > available:
+        raise DataError(f"num-tasks = {requested} with classes-per-task = {classes_per_task} needs "
+                        f"{requested * classes_per_task} classes in the task order, but it has {len(order)}")
+    return requested
+
+
+def incremental_task(dataset: Dataset, order: Sequence[int], classes_per_task: int, task: int,
+                     seen: bool = False) -> TaskDataset:
+    """Rows of task ``task`` (1-based: classes ``order[(t-1)C : tC]``), or with ``seen`` of every task up to it.
+
+    Labels are positions in the class order (0 .. tC-1), so task t's classes are labels [(t-1)C, tC):
+    one label space for the unified head and a contiguous block per task for AAC's heads.
+    """
+    first = 0 if seen else (task - 1) * classes_per_task
+    classes = [int(c) for c in order[first:task * classes_per_task]]
+    position = {c: first + i for i, c in enumerate(classes)}
+    labels = np.asarray(dataset.labels)
+    rows = np.flatnonzero(np.isin(labels, classes))
+    return TaskDataset(dataset, rows, np.array([position[int(c)] for c in labels[rows]], dtype=np.int64))
