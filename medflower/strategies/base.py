@@ -12,6 +12,7 @@ to a local folder so a restarted site or a resumed run gets it back).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -21,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -171,6 +172,7 @@ class NodeInfo:
     partition_id: int
     client: str
     num_train: int
+    extra: dict[str, float] = field(default_factory=dict)  # the rest of its query reply (e.g. pfedmxf's n-frequency)
 
 
 @dataclass
@@ -269,11 +271,11 @@ class FederatedStrategy:
         message_type: str,
         contents: Mapping[int, RecordDict],
         rnd: int,
-        expect: ArraySpec | None = None,
+        expect: ArraySpec | Callable[[int], ArraySpec] | None = None,
     ) -> list[Reply]:
         """Send one message per node, wait for replies, count bytes, log and drop failures.
 
-        With ``expect``, a reply whose arrays do not match (names, shapes, dtypes, finite)
+        With ``expect`` (one spec, or a function of the node id when nodes send different shapes), a reply whose arrays do not match (names, shapes, dtypes, finite)
         is rejected: logged with its reason, counted in the round's metrics, left out.
         """
         messages = []
@@ -299,7 +301,8 @@ class FederatedStrategy:
             arrays = from_record(msg.content["arrays"]) if "arrays" in msg.content.array_records else OrderedDict()
             metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
             config = dict(msg.content["info"]) if "info" in msg.content.config_records else {}
-            if expect is not None and (problem := validate_arrays(arrays, expect)):
+            spec = expect(node_id) if callable(expect) else expect
+            if spec is not None and (problem := validate_arrays(arrays, spec)):
                 log(WARNING, "[medflower] %s %d %s: rejected reply of %s: %s", self.round_label, rnd, message_type, client,
                     problem)
                 self.stats.rejected.append(f"{client}: {problem}")
@@ -328,7 +331,7 @@ class FederatedStrategy:
         contents = {n: RecordDict({"config": self.base_config(rnd)}) for n in unknown}
         for reply in self.exchange(grid, "query", contents, rnd):
             info = NodeInfo(reply.node_id, int(reply.config["partition-id"]), str(reply.config["client"]),
-                            int(reply.metrics.get("num-train", 0)))
+                            int(reply.metrics.get("num-train", 0)), reply.metrics)
             self.nodes[reply.node_id] = info
             log(INFO, "[medflower] %s joined (partition %d, %d training samples)", info.client, info.partition_id,
                 info.num_train)
@@ -439,6 +442,7 @@ class ClientRuntime:
     partition_id: int
     num_partitions: int
     data_path: str | None = None
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelSpec fields a client half sets per site
 
     @classmethod
     def from_message(cls, message: Message, context: Context) -> "ClientRuntime":
@@ -482,7 +486,7 @@ class ClientRuntime:
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
         num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
-        return _cached_model(self.cfg.model_spec(), num_classes)
+        return _cached_model(dataclasses.replace(self.cfg.model_spec(), **self.model_overrides), num_classes)
 
     @property
     def model(self) -> AdaptedModel:

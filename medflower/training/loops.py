@@ -43,7 +43,8 @@ class OptimizerSpec:
     momentum: float = 0.9
     weight_decay: float = 0.0
 
-    def build(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    def build(self, params: Iterable[nn.Parameter] | Iterable[dict]) -> torch.optim.Optimizer:
+        """The optimizer over ``params``: parameters, or torch param groups (dicts with their own ``lr``)."""
         params = list(params)
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
@@ -61,17 +62,18 @@ def train_epochs(
     device: torch.device,
     extra_loss: ExtraLoss | None = None,
     after_epoch: Callable[[int], None] | None = None,
+    param_groups: list[dict] | None = None,
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
     segmentation) plus ``extra_loss``; returns mean loss and steps.
 
     ``after_epoch(e)`` runs after epoch e (1-based) with the optimizer state kept across epochs
     (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
+    ``param_groups`` (torch's dicts, e.g. a learning rate per group) replaces "every parameter that requires grad".
     """
     task = getattr(model, "task", "classification")
     model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer.build(params)
+    opt = optimizer.build(param_groups or [p for p in model.parameters() if p.requires_grad])
     total, steps, seen = 0.0, 0, 0
     for epoch in range(1, epochs + 1):
         model.train()  # after_epoch may have evaluated in eval mode
