@@ -123,7 +123,18 @@ def _parse_lat_layers(v: Any) -> int | str:
 
 
 CONTINUAL_STRATEGIES = ("fedkei",)  # strategies that walk a task stream instead of rounds
+# Class-incremental strategies (DESIGN 3.3) and the q/k adapter each one trains.
+INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstack": "lora-qk"}
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
+
+
+def _n_frequency_list(v: Any) -> str:
+    """'' or comma-separated integers >= 1 (one per partition id)."""
+    text = str(v).strip()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError("must be empty or comma-separated integers >= 1, one per partition id")
+    return text
 
 
 def _seed_check(v: int) -> str | None:
@@ -159,7 +170,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("backbone-weights", "auto", "none | auto (cached timm weights, else random + warning) | file path", _weights_check, "model"),
     Option("img-size", 32, "input resolution", positive, "model"),
     Option("patch-size", 8, "ViT patch size; 0 = the backbone's own", non_negative, "model"),
-    Option("adapter", "lora", "trainable adapter", one_of(*ADAPTERS), "model"),
+    Option("adapter", "lora", "trainable adapter (pfedmxf trains fourier, fedavg-lora and fedstack lora-qk: q and k slices only)", one_of(*ADAPTERS), "model"),
     Option("lora-rank", 8, "LoRA rank r", positive, "model"),
     Option("lora-alpha", 16.0, "LoRA scaling alpha", positive, "model"),
     Option("adapter-targets", "", "comma-separated module names to adapt; empty = per-backbone default", None, "model"),
@@ -190,6 +201,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("fedkei-eta1", 0.05, "fedkei: inner-loop SGD step on alpha (one epoch)", non_negative, "fedkei"),
     Option("fedkei-eta2", 0.05, "fedkei: outer step on beta", non_negative, "fedkei"),
     Option("fedkei-grad", "exact", "fedkei: gradient through the inner loop; exact = autograd with the Hessian term, first-order = the paper's closed form", one_of("exact", "first-order"), "fedkei"),
+    # --- class-incremental runs (pfedmxf, fedavg-lora, fedstack)
+    Option("classes-per-task", 2, "class-incremental runs: classes per task (task t = classes (t-1)C..tC-1 of task-classes' order); num-tasks 0 = every full group", positive, "incremental"),
+    Option("rounds-per-task", 5, "class-incremental runs: federated rounds per task", positive, "incremental"),
+    Option("qbli-classes", 1, "partition qbli: classes of each task a client holds (quantity-based label imbalance)", positive, "incremental"),
+    Option("classifier", "aac", "class-incremental runs: aac = a head per task + prototype router, unified = one softmax over the seen classes", one_of("aac", "unified"), "incremental"),
+    Option("aac-prototype", "feature-mean", "aac: the router's task prototype (mean of the task's head rows) is set to the task's mean feature after local training, or left as trained (weights: the paper taken literally; it never moves)", one_of("feature-mean", "weights"), "incremental"),
+    Option("head-lr", 0.0, "class-incremental runs: learning rate of the heads (0 = lr; the paper uses 1e-3 heads, 1e-5 adapter)", non_negative, "incremental"),
+    # --- pFedMxF
+    Option("n-frequency", 3000, "pfedmxf: spectral coefficients per adapted matrix, client and task", positive, "pfedmxf"),
+    Option("pfedmxf-n-frequency", "", "pfedmxf: per-site n-frequency by partition id, e.g. '3000,1500'; empty = n-frequency (a node-config n-frequency wins)", None, "pfedmxf", _n_frequency_list),
+    Option("fourier-scale", 150.0, "pfedmxf: scale of Re(IDFT2(S)) (peft FourierFT's scaling)", positive, "pfedmxf"),
+    Option("conjugate-aware", True, "pfedmxf: allocate coordinates disjoint modulo (u,v) ~ (-u,-v), so updates are exactly orthogonal; false = the paper", None, "pfedmxf"),
+    Option("frequency-sharing", "disjoint", "pfedmxf: disjoint = own coordinates per (site, task); shared = one block per task for all sites (the paper's ablation)", one_of("disjoint", "shared"), "pfedmxf"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
@@ -276,6 +300,17 @@ class ExperimentConfig:
     fedkei_eta1: float
     fedkei_eta2: float
     fedkei_grad: str
+    classes_per_task: int
+    rounds_per_task: int
+    qbli_classes: int
+    classifier: str
+    aac_prototype: str
+    head_lr: float
+    n_frequency: int
+    pfedmxf_n_frequency: str
+    fourier_scale: float
+    conjugate_aware: bool
+    frequency_sharing: str
     device: str
 
     @classmethod
@@ -309,6 +344,16 @@ class ExperimentConfig:
         if self.strategy in CONTINUAL_STRATEGIES and self.model_task != "classification":
             raise _bad("strategy", self.strategy, "continual task streams need a classification source "
                        f"(dataset {self.dataset!r} is {self.model_task})")
+        if self.strategy in INCREMENTAL_ADAPTERS:
+            if self.model_task != "classification":
+                raise _bad("strategy", self.strategy, "class-incremental tasks need a classification source "
+                           f"(dataset {self.dataset!r} is {self.model_task})")
+            wanted = INCREMENTAL_ADAPTERS[self.strategy]
+            if self.adapter not in ("lora", wanted):
+                raise _bad("adapter", self.adapter, f"strategy {self.strategy!r} trains adapter {wanted!r} on the q "
+                           "and k projections; leave adapter unset")
+            if self.task_order != "sync":
+                raise _bad("task-order", self.task_order, "class-incremental tasks share one class order (sync)")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -346,13 +391,15 @@ class ExperimentConfig:
             dirichlet_alpha=self.dirichlet_alpha, pathological_k=self.pathological_k,
             val_fraction=self.val_fraction, test_fraction=self.test_fraction, img_size=self.img_size,
             seed=self.seed, synthetic_size=self.synthetic_size, use_source_splits=self.use_source_splits,
+            qbli_classes=self.qbli_classes, task_classes=self.task_classes, classes_per_task=self.classes_per_task,
         )
         return DataSpec(**{**fields, **overrides})
 
     def model_spec(self) -> ModelSpec:
         targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())
         return ModelSpec(
-            backbone=self.backbone, adapter=self.adapter, img_size=self.img_size, patch_size=self.patch_size,
+            backbone=self.backbone, adapter=INCREMENTAL_ADAPTERS.get(self.strategy, self.adapter),
+            n_frequency=self.n_frequency, fourier_scale=self.fourier_scale, img_size=self.img_size, patch_size=self.patch_size,
             weights=self.backbone_weights, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
             adapter_targets=targets, bottleneck_ratio=self.bottleneck_ratio, seed=self.seed, task=self.model_task,
         )

@@ -155,10 +155,71 @@ def tasks_markdown(tasks: Mapping[str, Any], final: Mapping[str, Any]) -> list[s
     return lines
 
 
+# ----------------------------------------------------------------------------- class-incremental runs (pFedMxF)
+INCREMENTAL_METRICS = ("accuracy", "router_accuracy", "within_task_accuracy")
+
+
+def _pooled(records: list[dict[str, Any]], metric: str) -> float | None:
+    """Σ_k metric_k n_k / Σ_k n_k: the metric on the union of the sites' test splits."""
+    pairs = [(r[metric], r.get("n", 0)) for r in records if isinstance(r.get(metric), (int, float))
+             and math.isfinite(r[metric]) and r.get("n", 0) > 0]
+    total = sum(n for _, n in pairs)
+    return sum(v * n for v, n in pairs) / total if total else None
+
+
+def incremental_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy over the seen classes after every task (the evaluation of each task's last round).
+
+    ``incremental``: per task the pooled accuracy (all sites' test rows together), the mean over sites and
+    each site's value; ``final``: ``last`` (after the last task) and ``avg`` (mean over tasks) of the pooled
+    accuracy, the same over site means, and the router's accuracies (AAC) after the last task.
+    """
+    by_task: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in evals:
+        if r.get("task_end"):
+            by_task[int(r["task"])][r["client"]] = r  # the last evaluation of the task per site
+    tasks: dict[str, Any] = {}
+    for task in sorted(by_task):
+        clients = by_task[task]
+        tasks[str(task)] = {
+            **{m: _pooled(list(clients.values()), m) for m in INCREMENTAL_METRICS},
+            "mean_over_sites": _mean(r.get("accuracy") for r in clients.values()),
+            "per_client": {c: _clean(r.get("accuracy")) for c, r in sorted(clients.items())},
+        }
+    final: dict[str, Any] = {}
+    if tasks:
+        last = tasks[list(tasks)[-1]]
+        final = {
+            "last": last["accuracy"], "avg": _mean(t["accuracy"] for t in tasks.values()),
+            "last_site_mean": last["mean_over_sites"], "avg_site_mean": _mean(t["mean_over_sites"] for t in tasks.values()),
+            "accuracy": last["accuracy"],
+            **{m: last[m] for m in INCREMENTAL_METRICS[1:] if last[m] is not None},
+        }
+    return {"incremental": tasks, "final": final}
+
+
+def incremental_markdown(tasks: Mapping[str, Any], final: Mapping[str, Any]) -> list[str]:
+    names = list(tasks)
+    lines = ["Accuracy over all classes seen so far, after each task (all sites' test rows pooled):", "",
+             "| | " + " | ".join(f"task {t}" for t in names) + " | Last | Avg |",
+             "|---|" + "---|" * (len(names) + 2)]
+    lines.append("| accuracy | " + " | ".join(_fmt(tasks[t]["accuracy"]) for t in names)
+                 + f" | {_fmt(final.get('last'))} | {_fmt(final.get('avg'))} |")
+    lines.append("| mean over sites | " + " | ".join(_fmt(tasks[t]["mean_over_sites"]) for t in names)
+                 + f" | {_fmt(final.get('last_site_mean'))} | {_fmt(final.get('avg_site_mean'))} |")
+    for m in INCREMENTAL_METRICS[1:]:
+        if any(tasks[t].get(m) is not None for t in names):
+            lines.append(f"| {m.replace('_', ' ')} | " + " | ".join(_fmt(tasks[t].get(m)) for t in names) + " | | |")
+    return lines + [""]
+
+
 def _title(summary: Mapping[str, Any]) -> str:
     """The strategy, with its variant when it has one (``fedkei (variant C)``)."""
     variant = summary.get("variant")
-    return f"{summary['strategy']} (variant {variant})" if variant else str(summary["strategy"])
+    if variant:
+        return f"{summary['strategy']} (variant {variant})"
+    classifier = summary.get("classifier")
+    return f"{summary['strategy']} ({classifier} classifier)" if classifier else str(summary["strategy"])
 
 
 def _fmt(value: Any) -> str:
@@ -180,6 +241,8 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     ]
     if continual:
         lines += tasks_markdown(summary["tasks"], summary["final"]) + ["", "Per client, mean over its tasks:", ""]
+    if "incremental" in summary:
+        lines += incremental_markdown(summary["incremental"], summary["final"])
     lines += [
         "| client | " + " | ".join(metrics) + " |",
         "|---|" + "---|" * len(metrics),

@@ -52,7 +52,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())
     log(INFO, "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
-        cfg.strategy, cfg.dataset, cfg.backbone, cfg.adapter, size, len(initial), num_classes, run_dir.resolve())
+        cfg.strategy, cfg.dataset, cfg.backbone, cfg.model_spec().adapter, size, len(initial), num_classes, run_dir.resolve())
     elapsed_before = strategy.elapsed_s
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)

@@ -1,0 +1,658 @@
+"""pFedMxF (DESIGN 3.3, seed 004) and its LoRA baselines in a federated class-incremental protocol.
+
+One run walks T tasks of C classes (``data/tasks.py``: labels are positions in the class order), with
+``rounds-per-task`` federated rounds each. The model is a frozen backbone whose q and k projections carry
+a trainable update (``models/qk_delta.py``) plus one linear head over every class; after each round every
+site reports its accuracy over all classes seen so far, and ``summary.json`` gets Last and Avg.
+
+- ``pfedmxf``: spectral coefficients. The server's ``FrequencyAllocator`` gives every (task, site) its own
+  block of ``n-frequency`` coordinates (disjoint modulo conjugate symmetry by default). A site trains its
+  own coefficients with everyone else's frozen; the server scatters all of them into one union spectrum
+  (Eq. 13: averaging only where a coordinate is shared). Past tasks' spectra act as merged weights.
+- ``fedavg-lora``: LoRA on q and k, A and B averaged separately (Eq. 5, with the interference of Eq. 6);
+  merged into the frozen weights at the end of each task, then a fresh LoRA.
+- ``fedstack``: FLoRA; p_k-scaled B_k and A_k stacked on the rank axis, so B A = Σ p_k B_k A_k exactly
+  (Eqs. 7-8), merged every round; a fresh LoRA every round.
+
+Classifier (``classifier``): ``aac`` trains task t's block of head rows with a softmax over that task's
+classes (Eq. 16) and predicts with the prototype router (Eqs. 17-18); ``unified`` trains and predicts with
+one softmax over every seen class (Eq. 15). Heads are averaged with weights n_k (Eq. 19).
+
+Decision (``aac-prototype``): the router's μ_t is the mean of task t's head rows, and the within-task
+cross-entropy's gradient sums to zero over those rows, so training never moves μ_t: taken literally
+(``weights``) the router keeps its random initialisation. With ``feature-mean`` (default) a site sets its
+block's row mean to the mean feature of its task-t training rows after local training, which leaves every
+within-task probability unchanged; averaging the heads by n_k then makes μ_t the federation's task mean.
+
+What leaves a site each round: its own spectral coefficients (pfedmxf: 2 x n_k per attention block) or
+its LoRA A and B (baselines), the head, and n_k = its training rows of the task. Evaluation: metrics only.
+What comes to a site: the union spectrum of every allocated coordinate with its coordinates and task
+(pfedmxf; plus its own coordinates), or the merged ΔW of q and k and the current LoRA (baselines); the head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Message, RecordDict
+from flwr.common.logger import log
+
+from ..data import DataError, describe_source, make_loader
+from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
+from ..models import build_model
+from ..models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_delta
+from ..results import incremental_summary
+from ..training import train_epochs
+from .base import ArraySpec, ClientHalf, FederatedStrategy, Reply, derive_seed, from_record, to_record, \
+    validate_arrays, weighted_mean
+
+HEAD = ("head.weight", "head.bias")
+
+
+# ----------------------------------------------------------------------------- frequency allocation
+def conjugate(flat: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Flat index of (−u mod M, −v mod N) for flat indices of (u, v) in an M x N spectrum."""
+    rows, cols = shape
+    u, v = np.divmod(np.asarray(flat, dtype=np.int64), cols)
+    return ((-u) % rows) * cols + (-v) % cols
+
+
+def coordinate_order(shape: tuple[int, int], seed: int, conjugate_aware: bool) -> np.ndarray:
+    """The seeded permutation that blocks are cut from.
+
+    ``conjugate_aware``: one representative (the smaller flat index) per class {(u,v), (−u,−v)}. With the
+    real part kept, Re(IDFT2) of a coefficient at (u,v) and at its conjugate is the same cosine, so blocks
+    of distinct classes give exactly orthogonal ΔW; without it (the paper) two sites can share a basis.
+    """
+    flat = np.arange(shape[0] * shape[1], dtype=np.int64)
+    if conjugate_aware:
+        flat = flat[flat <= conjugate(flat, shape)]
+    rng = np.random.default_rng([seed, shape[0], shape[1], 4004])
+    return rng.permutation(flat)
+
+
+@dataclass
+class Allocation:
+    """Coordinates ``order[start : start + n]`` of every adapted shape, for one site in one task."""
+
+    task: int
+    client: str
+    partition_id: int
+    start: int
+    n: int
+
+
+class FrequencyAllocator:
+    """Disjoint blocks of coordinates per (task, site) in lexicographic order (``shared``: one per task).
+
+    One permutation per adapted matrix shape; a block is the same positions of every shape's permutation.
+    The allocation table is the strategy's checkpoint (``table()`` / ``restore()``).
+    """
+
+    def __init__(self, shapes: Sequence[tuple[int, int]], seed: int, conjugate_aware: bool, shared: bool = False):
+        self.orders = {shape: coordinate_order(shape, seed, conjugate_aware) for shape in sorted(set(shapes))}
+        self.capacity = min(len(order) for order in self.orders.values())
+        self.shared = shared
+        self.allocations: list[Allocation] = []
+
+    def get(self, task: int, client: str) -> Allocation | None:
+        return next((a for a in self.allocations if a.task == task and a.client == client), None)
+
+    def allocate(self, task: int, client: str, partition_id: int, n: int) -> Allocation:
+        """The site's block for the task (made on first request; ValueError when the coordinates run out)."""
+        if (found := self.get(task, client)) is not None:
+            return found
+        if self.shared:  # every site of a task starts at the task's block; they overlap on min(n) coordinates
+            same_task = [a for a in self.allocations if a.task == task]
+            start = same_task[0].start if same_task else self._end()
+        else:
+            start = self._end()
+        if start + n > self.capacity:
+            raise ValueError(f"frequency allocator: {client} in task {task} needs {n} coordinates from position "
+                             f"{start}, but a {min(self.orders)} matrix has {self.capacity} "
+                             f"{'conjugate classes' if self._halved else 'coordinates'}; lower n-frequency")
+        allocation = Allocation(task, client, partition_id, start, n)
+        self.allocations.append(allocation)
+        return allocation
+
+    @property
+    def _halved(self) -> bool:
+        shape = min(self.orders)
+        return self.capacity < shape[0] * shape[1]
+
+    def _end(self) -> int:
+        return max((a.start + a.n for a in self.allocations), default=0)
+
+    def coords(self, allocation: Allocation, shape: tuple[int, int]) -> np.ndarray:
+        return self.orders[shape][allocation.start:allocation.start + allocation.n]
+
+    def table(self) -> list[dict[str, Any]]:
+        return [asdict(a) for a in self.allocations]
+
+    def restore(self, table: list[dict[str, Any]]) -> None:
+        self.allocations = [Allocation(**row) for row in table]
+
+
+def union_spectrum(coords: Sequence[np.ndarray], values: Sequence[np.ndarray], weights: Sequence[float]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Scatter every site's coefficients into one sparse spectrum (Eq. 13): sorted coordinates [U] and values
+    [2, U]. A coordinate held by one site keeps its value; one held by several gets their weighted mean."""
+    flat = np.concatenate(coords)
+    unique, inverse = np.unique(flat, return_inverse=True)
+    w = np.concatenate([np.full(len(c), float(wk)) for c, wk in zip(coords, weights)])
+    total = np.zeros((2, len(unique)))
+    np.add.at(total.T, inverse, (np.concatenate(values, axis=1) * w).T)
+    mass = np.zeros(len(unique))
+    np.add.at(mass, inverse, w)
+    return unique, (total / np.where(mass > 0, mass, 1.0)).astype(np.float32)
+
+
+def dense_spectrum(coords: np.ndarray, values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """[2, M, N] float32 with ``values`` at flat ``coords`` and zero elsewhere."""
+    dense = np.zeros((2, shape[0] * shape[1]), dtype=np.float32)
+    dense[:, coords] = values
+    return dense.reshape(2, *shape)
+
+
+# ----------------------------------------------------------------------------- LoRA aggregation
+def stack_lora(a: Sequence[np.ndarray], b: Sequence[np.ndarray], weights: Sequence[float]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """FLoRA's stacking (Eq. 7): A = [A_1; ..; A_K] on the rank axis, B = [p_1 B_1, .., p_K B_K].
+
+    ``a``: [2, r_k, d_in] per site, ``b``: [2, d_out, r_k]; then B @ A = Σ_k p_k B_k A_k (Eq. 8), exactly.
+    """
+    p = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+    return (np.concatenate([x.astype(np.float64) for x in a], axis=1),
+            np.concatenate([pk * x.astype(np.float64) for pk, x in zip(p, b)], axis=2))
+
+
+def lora_product(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """scale · B @ A for q and k: [2, d_out, d_in] float32."""
+    return (scale * np.matmul(b.astype(np.float64), a.astype(np.float64))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- classifier
+def task_prototypes(weight: torch.Tensor, classes_per_task: int, tasks: int) -> torch.Tensor:
+    """μ_t = mean of task t's class weight vectors (rows of the head), [tasks, d]."""
+    return weight[: tasks * classes_per_task].reshape(tasks, classes_per_task, -1).mean(dim=1)
+
+
+def aac_log_probs(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, classes_per_task: int,
+                  tasks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(y|x) over the seen classes (Eq. 18) and the router's log p(t|x) (Eq. 17), both normalised.
+
+    log p(y|x) = log softmax_{y in task t}(φ_t(f)) + log r_t(x), r_t ∝ exp(−‖f − μ_t‖²/2).
+    """
+    logits = (features @ weight[: tasks * classes_per_task].T + bias[: tasks * classes_per_task])
+    within = torch.log_softmax(logits.reshape(len(features), tasks, classes_per_task), dim=2)
+    distances = torch.cdist(features, task_prototypes(weight, classes_per_task, tasks)) ** 2
+    router = torch.log_softmax(-distances / 2, dim=1)
+    return (within + router[:, :, None]).reshape(len(features), -1), router
+
+
+def logit_mask(classifier: str, classes_per_task: int, task: int, width: int) -> torch.Tensor:
+    """Classes a training step's softmax runs over: task t's block (aac, Eq. 16) or every seen class (unified)."""
+    mask = torch.zeros(width, dtype=torch.bool)
+    mask[(task - 1) * classes_per_task if classifier == "aac" else 0: task * classes_per_task] = True
+    return mask
+
+
+def set_block_mean(weight: torch.Tensor, classes_per_task: int, task: int, prototype: torch.Tensor) -> None:
+    """Shift task t's head rows so that their mean, μ_t, is ``prototype`` (in place).
+
+    Adding one vector to every row of a block adds the same logit to each of the task's classes, so the
+    within-task softmax (Eq. 16) is unchanged; only the router (Eq. 17) sees the new μ_t.
+    """
+    rows = slice((task - 1) * classes_per_task, task * classes_per_task)
+    weight[rows] += prototype - weight[rows].mean(dim=0)
+
+
+@torch.no_grad()
+def mean_feature(model, loader, device: torch.device) -> torch.Tensor:
+    """The mean pooled backbone feature over a loader."""
+    model.eval()
+    total, count = None, 0
+    for x, _ in loader:
+        features = model.features(x.to(device)).float().sum(dim=0)
+        total = features if total is None else total + features
+        count += len(x)
+    return total / count
+
+
+class MaskedLogits(torch.nn.Module):
+    """The model's logits with the classes outside ``mask`` at −inf (their softmax weight is zero)."""
+
+    def __init__(self, model: torch.nn.Module, mask: torch.Tensor):
+        super().__init__()
+        self.model = model
+        self.register_buffer("mask", mask, persistent=False)
+        self.task = "classification"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).float().masked_fill(~self.mask, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- client half
+class IncrementalClient(ClientHalf):
+    """A site's class-incremental training (``train``) and evaluation over the seen classes (``evaluate``)."""
+
+    def class_order(self) -> list[int]:
+        return parse_task_classes(self.rt.cfg.task_classes, self.rt.data.class_names)
+
+    @property
+    def task(self) -> int:
+        return int(self.rt.config["task"])
+
+    def split(self, split: str, seen: bool):
+        return incremental_task(getattr(self.rt.data, split), self.class_order(), self.rt.cfg.classes_per_task,
+                                self.task, seen=seen)
+
+    def load(self, arrays: Mapping[str, np.ndarray], training: bool) -> None:
+        """Put the received state (q/k updates and head) into the model."""
+        raise NotImplementedError
+
+    def upload(self) -> "OrderedDict[str, np.ndarray]":
+        """What this site sends after training (besides the head)."""
+        raise NotImplementedError
+
+    def train(self, message: Message) -> RecordDict:
+        rt, cfg = self.rt, self.rt.cfg
+        model = rt.model
+        self.load(from_record(message.content["arrays"]), training=True)
+        train = self.split("train", seen=False)
+        metrics: dict[str, float] = {"num-examples": len(train), "task": self.task}
+        if len(train) == 0:  # e.g. Dirichlet skew left this site without the task's classes: nothing to learn
+            log(WARNING, "[medflower] %s has no training rows of task %d; it sends its state unchanged",
+                rt.client, self.task)
+        else:
+            params = OrderedDict((n, p) for n, p in model.trainable_parameters().items())
+            heads = [p for n, p in params.items() if n in HEAD]
+            adapters = [p for n, p in params.items() if n not in HEAD]
+            groups = [{"params": adapters, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
+            masked = MaskedLogits(model, logit_mask(cfg.classifier, cfg.classes_per_task, self.task,
+                                                    model.head.out_features))
+            torch.manual_seed(rt.seed(2))
+            loader = make_loader(train, cfg.batch_size, True, rt.seed(1))
+            metrics.update(train_epochs(masked, loader, epochs=cfg.local_epochs, optimizer=rt.optimizer(),
+                                        device=rt.device, param_groups=groups))
+            if cfg.classifier == "aac" and cfg.aac_prototype == "feature-mean":
+                with torch.no_grad():
+                    set_block_mean(model.head.weight, cfg.classes_per_task, self.task,
+                                   mean_feature(model, make_loader(train, cfg.batch_size, False, 0), rt.device))
+        arrays = self.upload()
+        arrays.update((k, v) for k, v in model.get_trainable().items() if k in HEAD)
+        return self.reply(arrays=arrays, metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, message: Message) -> RecordDict:
+        """Accuracy over every class seen so far; with AAC also the router's task accuracy and the
+        accuracy within the true task."""
+        rt, cfg = self.rt, self.rt.cfg
+        model = rt.model.to(rt.device).eval()
+        self.load(from_record(message.content["arrays"]), training=False)
+        test = self.split("test", seen=True)
+        c, t = cfg.classes_per_task, self.task
+        correct = routed = within = 0
+        for x, y in make_loader(test, cfg.batch_size, False, rt.seed(1)):
+            x, y = x.to(rt.device), y.to(rt.device)
+            features = model.features(x).float()
+            if cfg.classifier == "aac":
+                scores, router = aac_log_probs(features, model.head.weight.float(), model.head.bias.float(), c, t)
+                true_task = torch.div(y, c, rounding_mode="floor")
+                routed += int((router.argmax(dim=1) == true_task).sum())
+                blocks = scores.reshape(len(y), t, c)[torch.arange(len(y)), true_task]
+                within += int((blocks.argmax(dim=1) == y % c).sum())
+            else:
+                scores = model.head(features)[:, : t * c]
+            correct += int((scores.argmax(dim=1) == y).sum())
+        n = len(test)
+        metrics = {"accuracy": correct / n if n else float("nan"), "n": n, "task": t,
+                   "task_end": int(rt.config.get("task-end", 0))}
+        if cfg.classifier == "aac" and n:
+            metrics.update(router_accuracy=routed / n, within_task_accuracy=within / n)
+        return self.reply(metrics=metrics)
+
+
+class PFedMxFClient(IncrementalClient):
+    """Own coefficients trainable, everyone else's of the task frozen, past tasks merged."""
+
+    def __init__(self, runtime):
+        super().__init__(runtime)
+        runtime.model_overrides = {"n_frequency": self.n_frequency()}
+
+    def n_frequency(self) -> int:
+        """This site's coefficient budget: node-config n-frequency, else pfedmxf-n-frequency[partition], else n-frequency."""
+        rt = self.rt
+        if rt.context.node_config.get("n-frequency"):
+            return int(rt.context.node_config["n-frequency"])
+        per_site = [int(p) for p in rt.cfg.pfedmxf_n_frequency.split(",") if p.strip()]
+        if not per_site:
+            return rt.cfg.n_frequency
+        if rt.partition_id >= len(per_site):
+            raise DataError(f"run-config pfedmxf-n-frequency lists {len(per_site)} sites but this is partition "
+                            f"{rt.partition_id}; give one value per partition id")
+        return per_site[rt.partition_id]
+
+    def query(self, message: Message) -> RecordDict:
+        content = super().query(message)
+        content["metrics"]["n-frequency"] = float(self.n_frequency())
+        return content
+
+    def load(self, arrays: Mapping[str, np.ndarray], training: bool) -> None:
+        task = self.task
+        device = self.rt.device
+        model = self.rt.model.to(device)
+        with torch.no_grad():
+            for name, module in qk_modules(model).items():
+                assert isinstance(module, SpectralQK)
+                shape = (module.dim_qk, module.dim_in)
+                key = shape_key(shape)
+                coords, tasks = arrays[f"freq.{key}.coords"], arrays[f"freq.{key}.task"]
+                values = arrays[f"{name}.spectrum"]
+                own = np.isin(coords, arrays[f"freq.{key}.own"]) if training else np.zeros(len(coords), bool)
+                past, now = tasks < task, (tasks == task) & ~own
+                module.merged.copy_(spectral_delta(torch.as_tensor(
+                    dense_spectrum(coords[past], values[:, past], shape), device=device), module.scale))
+                module.frozen.copy_(torch.as_tensor(dense_spectrum(coords[now], values[:, now], shape), device=device))
+                if training:
+                    own_coords = arrays[f"freq.{key}.own"]
+                    lookup = dict(zip(coords.tolist(), range(len(coords))))
+                    module.coords.copy_(torch.as_tensor(own_coords, device=device))
+                    module.coefficients.copy_(torch.as_tensor(values[:, [lookup[c] for c in own_coords.tolist()]]))
+                else:
+                    module.coefficients.zero_()
+        self.rt.model.set_trainable({k: arrays[k] for k in HEAD}, strict=False)
+
+    def upload(self) -> "OrderedDict[str, np.ndarray]":
+        params = self.rt.model.get_trainable()
+        return OrderedDict((k, v) for k, v in params.items() if k.endswith(".coefficients"))
+
+
+class LoRAClient(IncrementalClient):
+    """Merged ΔW of q and k frozen, the received LoRA A and B trained."""
+
+    def load(self, arrays: Mapping[str, np.ndarray], training: bool) -> None:
+        model = self.rt.model.to(self.rt.device)
+        with torch.no_grad():
+            for name, module in qk_modules(model).items():
+                module.merged.copy_(torch.as_tensor(arrays[f"{name}.merged"]))
+        model.set_trainable({k: v for k, v in arrays.items() if not k.endswith(".merged")})
+
+    def upload(self) -> "OrderedDict[str, np.ndarray]":
+        return OrderedDict((k, v) for k, v in self.rt.model.get_trainable().items() if k not in HEAD)
+
+
+def shape_key(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+# ----------------------------------------------------------------------------- server half
+class IncrementalStrategy(FederatedStrategy):
+    """T tasks x rounds-per-task rounds; heads averaged by n_k; every site evaluated after every round."""
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.classes_per_task = cfg.classes_per_task
+        self.num_tasks = count_incremental_tasks(self._server_class_order(), cfg.classes_per_task, cfg.num_tasks)
+        with torch.random.fork_rng(devices=[]):  # the q/k modules' shapes (the arrays do not show them all)
+            self.modules = {name: (m.dim_qk, m.dim_in) for name, m in
+                            qk_modules(build_model(cfg.model_spec(), num_classes)).items()}
+        self.head_spec = OrderedDict((k, self.spec[k]) for k in HEAD)
+        log(INFO, "[medflower] %s (%s classifier): %d tasks x %d classes, %d rounds per task; %d q/k matrices",
+            self.name, cfg.classifier, self.num_tasks, self.classes_per_task, cfg.rounds_per_task,
+            2 * len(self.modules))
+
+    def _server_class_order(self) -> list[int]:
+        if self.cfg.dataset == "site":
+            return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
+        return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
+
+    def total_rounds(self) -> int:
+        return self.num_tasks * self.cfg.rounds_per_task
+
+    def task_of(self, rnd: int) -> int:
+        return (rnd - 1) // self.cfg.rounds_per_task + 1
+
+    def is_task_end(self, rnd: int) -> bool:
+        return rnd % self.cfg.rounds_per_task == 0
+
+    # ------------------------------------------------------------------ method hooks
+    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+        """The q/k state every node gets this round (built once per phase; the head is added by the caller)."""
+        raise NotImplementedError
+
+    def node_arrays(self, node_id: int, task: int) -> "OrderedDict[str, np.ndarray]":
+        """What only this node gets for training (pfedmxf: its own coordinates)."""
+        return OrderedDict()
+
+    def upload_spec(self, node_id: int) -> ArraySpec:
+        raise NotImplementedError
+
+    def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
+        raise NotImplementedError
+
+    def end_task(self, task: int) -> None:
+        """After the last round of a task."""
+
+    # ------------------------------------------------------------------ one round
+    def contents(self, nodes: list[int], rnd: int, training: bool) -> dict[int, RecordDict]:
+        """One message per node: the shared state plus (training) the node's own arrays; a fresh record each."""
+        task = self.task_of(rnd)
+        shared = self.model_arrays(task)
+        shared.update((k, self.global_arrays[k]) for k in HEAD)
+        config = {"task": task, "task-end": int(self.is_task_end(rnd))}
+        return {n: RecordDict({"arrays": to_record({**shared, **(self.node_arrays(n, task) if training else {})}),
+                               "config": self.base_config(rnd, **config)}) for n in nodes}
+
+    def run_round(self, grid, rnd: int) -> None:
+        task = self.task_of(rnd)
+        nodes = self.sample_nodes(rnd)
+        self.before_round(task, nodes)
+        contents = self.contents(nodes, rnd, training=True)
+        replies = self.exchange(grid, "train", contents, rnd, expect=self.upload_spec)
+        for reply in replies:
+            self.recorder.log_client(rnd, reply.client, "train", reply.metrics, task=task)
+        learned = [r for r in replies if r.num_examples > 0]
+        started = time.monotonic()
+        if learned:
+            self.global_arrays.update(weighted_mean([{k: r.arrays[k] for k in HEAD} for r in learned],
+                                                    [r.num_examples for r in learned]))
+            self.aggregate_updates(rnd, task, learned)
+        else:
+            log(WARNING, "[medflower] round %d: no site trained task %d; the model is unchanged", rnd, task)
+        if self.is_task_end(rnd):
+            self.end_task(task)
+        self.stats.aggregation_s += time.monotonic() - started
+        self.stats.extra.update(task=task, task_end=int(self.is_task_end(rnd)))
+        contents = self.contents(self.ordered_nodes(), rnd, training=False)
+        for reply in self.exchange(grid, "evaluate", contents, rnd):
+            self.recorder.log_client(rnd, reply.client, "eval", reply.metrics)
+
+    def before_round(self, task: int, nodes: list[int]) -> None:
+        """Per-node preparation before the training messages are built (pfedmxf: allocation)."""
+
+    def summary_extra(self) -> dict[str, Any]:
+        return {"classifier": self.cfg.classifier, **incremental_summary(self.recorder.records("eval"))}
+
+
+class PFedMxF(IncrementalStrategy):
+    """pFedMxF server: frequency allocation, union spectrum, head averaging.
+
+    Leaves a site: its own coefficients (2 x n_k per attention block), the head and n_k.
+    """
+
+    name = "pfedmxf"
+    client_half = PFedMxFClient
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.allocator = FrequencyAllocator(list(self.modules.values()), cfg.seed, cfg.conjugate_aware,
+                                            shared=cfg.frequency_sharing == "shared")
+        # (task, client) -> module name -> [2, n] coefficients, and the weight of that site's last reply
+        self.coefficients: dict[tuple[int, str], OrderedDict[str, np.ndarray]] = {}
+        self.weights: dict[tuple[int, str], float] = {}
+
+    def n_frequency(self, node_id: int) -> int:
+        return int(self.nodes[node_id].extra.get("n-frequency", self.cfg.n_frequency))
+
+    def before_round(self, task: int, nodes: list[int]) -> None:
+        for node_id in nodes:  # lexicographic (task, partition id): nodes come in partition order
+            info = self.nodes[node_id]
+            allocation = self.allocator.allocate(task, info.client, info.partition_id, self.n_frequency(node_id))
+            key = (task, info.client)
+            if key not in self.coefficients:
+                self.coefficients[key] = OrderedDict(
+                    (name, np.zeros((2, allocation.n), np.float32)) for name in self.modules)
+                self.weights[key] = 0.0
+
+    def union(self, upto_task: int) -> dict[str, Any]:
+        """Per shape the sorted union of the allocated coordinates of tasks <= ``upto_task`` with their task,
+        and per module the union spectrum's values [2, U]."""
+        out: dict[str, Any] = {}
+        allocations = [a for a in self.allocator.allocations if a.task <= upto_task]
+        for shape in sorted(set(self.modules.values())):
+            coords = [self.allocator.coords(a, shape) for a in allocations]
+            # a coordinate belongs to one task (shared blocks are per task); weight 1 where nobody reported yet
+            weights = [self.weights[(a.task, a.client)] for a in allocations]  # 0 until a site reports
+            tasks = np.concatenate([np.full(len(c), a.task, np.int32) for a, c in zip(allocations, coords)]) \
+                if allocations else np.zeros(0, np.int32)
+            flat = np.concatenate(coords) if coords else np.zeros(0, np.int64)
+            unique, first = np.unique(flat, return_index=True)
+            out[f"freq.{shape_key(shape)}.coords"] = unique.astype(np.int64)
+            out[f"freq.{shape_key(shape)}.task"] = tasks[first]
+            for name, module_shape in self.modules.items():
+                if module_shape != shape:
+                    continue
+                if allocations:
+                    _, values = union_spectrum(coords, [self.coefficients[(a.task, a.client)][name]
+                                                        for a in allocations], weights)
+                else:
+                    values = np.zeros((2, 0), np.float32)
+                out[f"{name}.spectrum"] = values
+        return out
+
+    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+        return OrderedDict(self.union(task))
+
+    def node_arrays(self, node_id: int, task: int) -> "OrderedDict[str, np.ndarray]":
+        allocation = self.allocator.get(task, self.nodes[node_id].client)
+        return OrderedDict((f"freq.{shape_key(shape)}.own", self.allocator.coords(allocation, shape).astype(np.int64))
+                           for shape in sorted(set(self.modules.values())))
+
+    def upload_spec(self, node_id: int) -> ArraySpec:
+        n = self.n_frequency(node_id)
+        return OrderedDict([*((f"{name}.coefficients", ((2, n), "float32")) for name in self.modules),
+                            *self.head_spec.items()])
+
+    def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
+        for reply in replies:
+            key = (task, reply.client)
+            self.coefficients[key] = OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules)
+            self.weights[key] = reply.num_examples
+
+    # ------------------------------------------------------------------ persistence
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        arrays = OrderedDict((k, self.global_arrays[k]) for k in HEAD)
+        for (task, client), modules in sorted(self.coefficients.items()):
+            for name, value in modules.items():
+                arrays[f"coef/{task}/{client}/{name}"] = value
+        return arrays, {"allocations": self.allocator.table(),
+                        "weights": [[t, c, w] for (t, c), w in sorted(self.weights.items())]}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        head = OrderedDict((k, arrays[k]) for k in HEAD)
+        if problem := validate_arrays(head, self.head_spec):
+            raise ValueError(f"checkpoint does not fit this model: {problem}")
+        self.global_arrays.update(head)
+        self.allocator.restore(meta["allocations"])
+        self.weights = {(int(t), str(c)): float(w) for t, c, w in meta["weights"]}
+        self.coefficients = {}
+        for a in self.allocator.allocations:
+            self.coefficients[(a.task, a.client)] = OrderedDict(
+                (name, np.array(arrays[f"coef/{a.task}/{a.client}/{name}"])) for name in self.modules)
+
+
+class FedAvgLoRA(IncrementalStrategy):
+    """FedAvg-LoRA: A and B averaged separately (Eq. 5); B̄Ā merged at the end of each task, then a fresh LoRA.
+
+    Leaves a site: its LoRA A and B on q and k, the head and n_k.
+    """
+
+    name = "fedavg-lora"
+    client_half = LoRAClient
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.lora_names = [k for k in self.spec if k not in HEAD]
+        self.scale = cfg.lora_alpha / cfg.lora_rank
+        self.merged = OrderedDict((name, np.zeros((2, *shape), np.float32)) for name, shape in self.modules.items())
+
+    def fresh_lora(self, salt: int) -> None:
+        """A seeded fresh LoRA (A as peft initialises it, B = 0), identical for every site."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.cfg.seed, salt, 77))
+            for name, (rows, cols) in self.modules.items():
+                module = LoRAQK(cols, rows, self.cfg.lora_rank, self.cfg.lora_alpha)
+                self.global_arrays[f"{name}.lora_A"] = module.lora_A.detach().numpy().copy()
+                self.global_arrays[f"{name}.lora_B"] = module.lora_B.detach().numpy().copy()
+
+    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+        arrays = OrderedDict((f"{name}.merged", value) for name, value in self.merged.items())
+        arrays.update((k, self.global_arrays[k]) for k in self.lora_names)
+        return arrays
+
+    def upload_spec(self, node_id: int) -> ArraySpec:
+        return self.spec
+
+    def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
+        self.global_arrays.update(weighted_mean([{k: r.arrays[k] for k in self.lora_names} for r in replies],
+                                                [r.num_examples for r in replies]))
+
+    def merge_current(self) -> None:
+        for name in self.modules:
+            self.merged[name] = self.merged[name] + lora_product(
+                self.global_arrays[f"{name}.lora_A"], self.global_arrays[f"{name}.lora_B"], self.scale)
+
+    def end_task(self, task: int) -> None:
+        self.merge_current()
+        self.fresh_lora(task)
+
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        arrays = OrderedDict(self.global_arrays)
+        arrays.update((f"merged/{name}", value) for name, value in self.merged.items())
+        return arrays, {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        super().load_state({k: v for k, v in arrays.items() if not k.startswith("merged/")}, meta)
+        self.merged = OrderedDict((name, np.array(arrays[f"merged/{name}"])) for name in self.modules)
+
+
+class FedStack(FedAvgLoRA):
+    """FedStack / FLoRA: stacked p_k B_k and A_k (Eq. 7) give Σ p_k B_k A_k exactly (Eq. 8), merged every round,
+    then a fresh LoRA. Here the server ships the merged ΔW of q and k instead of the stacks, so a site that
+    missed rounds needs no replay.
+
+    Leaves a site: its LoRA A and B on q and k, the head and n_k.
+    """
+
+    name = "fedstack"
+
+    def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
+        weights = [r.num_examples for r in replies]
+        for name in self.modules:
+            a, b = stack_lora([r.arrays[f"{name}.lora_A"] for r in replies],
+                              [r.arrays[f"{name}.lora_B"] for r in replies], weights)
+            self.merged[name] = self.merged[name] + lora_product(a, b, self.scale)
+        self.stats.extra["stacked_rank"] = sum(r.arrays[f"{self.lora_names[0]}"].shape[1] for r in replies)
+        self.fresh_lora(1000 + rnd)
+
+    def end_task(self, task: int) -> None:
+        """Nothing left to merge: every round already merged its update."""
+

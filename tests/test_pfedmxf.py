@@ -1,0 +1,371 @@
+"""pFedMxF and its LoRA baselines: the spectral layer against peft's FourierFT, the frequency allocator,
+exact union aggregation, orthogonality, FedAvg-LoRA's interference vs FedStack's exact sum, the AAC
+router, the class-incremental data, and the protocol in process (faults, heterogeneous budgets, resume)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from torch import nn
+
+from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.data import DataSpec
+from medflower.data.partition import partition_rows
+from medflower.data.sources import open_source
+from medflower.data.tasks import count_incremental_tasks, incremental_task
+from medflower.inprocess import run_inprocess
+from medflower.models import ModelSpec, build_model
+from medflower.models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_delta
+from medflower.strategies import pfedmxf as mx
+from medflower.strategies.base import from_record
+
+INCREMENTAL = {"num-tasks": 2, "classes-per-task": 2, "rounds-per-task": 2, "n-frequency": 64, "lora-rank": 2,
+               "optimizer": "adam", "lr": 0.01, "partition": "qbli"}
+
+
+def records(run_dir: Path, kind: str):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def run_dir_of(config) -> Path:
+    return Path(config["output-dir"]) / config["run-name"]
+
+
+def sent(grid, message_type: str, rnd: int):
+    return [m for m in grid.sent if m.metadata.message_type == message_type and m.metadata.group_id == str(rnd)]
+
+
+def spectral_updates(coords_per_site, values_per_site, shape, scale=1.0):
+    return [spectral_delta(torch.as_tensor(mx.dense_spectrum(c, v, shape)), scale).double()
+            for c, v in zip(coords_per_site, values_per_site)]
+
+
+# ----------------------------------------------------------------------------- the spectral layer
+def test_spectral_layer_equals_peft_fourierft_on_the_q_slice():
+    from peft import FourierFTConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    d, n, scale = 12, 20, 150.0
+    qkv = nn.Linear(d, 3 * d)
+    reference = nn.Sequential()
+    reference.add_module("q", nn.Linear(d, d))
+    with torch.no_grad():
+        reference.q.weight.copy_(qkv.weight[:d])
+        reference.q.bias.copy_(qkv.bias[:d])
+    inject_adapter_in_model(FourierFTConfig(n_frequency=n, scaling=scale, target_modules=["q"], random_loc_seed=3,
+                                            init_weights=False), reference)
+    peft_layer = reference.q
+    indices, spectrum = peft_layer.indices["default"], peft_layer.fourierft_spectrum["default"]
+
+    ours = SpectralQK(d, d, n, scale)
+    with torch.no_grad():
+        ours.coords.copy_(indices[0] * d + indices[1])
+        ours.coefficients[0].copy_(spectrum)
+    qkv.register_forward_hook(ours.hook)
+    torch.testing.assert_close(ours.delta()[0], peft_layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7)
+    assert torch.count_nonzero(ours.delta()[1]) == 0  # k has no coefficients here
+    x = torch.randn(4, 5, d)
+    out = qkv(x)
+    torch.testing.assert_close(out[..., :d], reference(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[..., d:], nn.functional.linear(x, qkv.weight[d:], qkv.bias[d:]))
+
+
+def test_fourier_and_lora_qk_adapters_train_only_their_own_parameters():
+    spec = ModelSpec(adapter="fourier", weights="none", img_size=16, patch_size=8, n_frequency=30)
+    model = build_model(spec, 4)
+    assert all(n.endswith(".qk_delta.coefficients") or n.startswith("head.") for n in model.trainable_names())
+    modules = qk_modules(model)
+    assert len(modules) == 12 and all(m.coefficients.shape == (2, 30) for m in modules.values())
+    x = torch.randn(2, 3, 16, 16)
+    before = model(x)
+    first = next(iter(modules.values()))
+    with torch.no_grad():
+        first.frozen[0, 0, 1] = 5.0  # a frozen coefficient changes the function but is not a parameter
+    assert not torch.allclose(model(x), before)
+    model(x).sum().backward()
+    assert first.coefficients.grad is not None and first.coefficients.grad.abs().sum() > 0
+    lora = build_model(ModelSpec(adapter="lora-qk", weights="none", img_size=16, patch_size=8, lora_rank=3), 4)
+    block = next(iter(qk_modules(lora).values()))
+    assert isinstance(block, LoRAQK) and block.lora_A.shape == (2, 3, 192) and block.lora_B.shape == (2, 192, 3)
+    torch.testing.assert_close(block.delta(), torch.zeros(2, 192, 192))  # B = 0: starts as the backbone
+
+
+# ----------------------------------------------------------------------------- allocation and aggregation
+@pytest.mark.parametrize("conjugate_aware", [True, False])
+def test_allocated_blocks_are_disjoint_across_sites_and_tasks(conjugate_aware):
+    shape = (16, 12)
+    allocator = mx.FrequencyAllocator([shape, shape], seed=0, conjugate_aware=conjugate_aware)
+    blocks = {(t, c): allocator.coords(allocator.allocate(t, c, p, n), shape)
+              for t in (1, 2) for p, (c, n) in enumerate([("a", 10), ("b", 7), ("c", 12)])}
+    flat = np.concatenate(list(blocks.values()))
+    assert len(np.unique(flat)) == len(flat) == 58
+    assert [a.start for a in allocator.allocations] == [0, 10, 17, 29, 39, 46]  # lexicographic (task, site)
+    if conjugate_aware:  # no coordinate's mirror image is held by anyone else
+        classes = np.minimum(flat, mx.conjugate(flat, shape))
+        assert len(np.unique(classes)) == len(flat)
+    again = mx.FrequencyAllocator([shape], seed=0, conjugate_aware=conjugate_aware)
+    again.restore(allocator.table())
+    assert all(np.array_equal(again.coords(again.get(t, c), shape), v) for (t, c), v in blocks.items())
+
+
+def test_shared_frequencies_reuse_one_block_per_task_and_capacity_is_checked():
+    shape = (8, 8)
+    allocator = mx.FrequencyAllocator([shape], seed=1, conjugate_aware=True, shared=True)
+    a, b = (allocator.coords(allocator.allocate(1, c, i, 6), shape) for i, c in enumerate("ab"))
+    np.testing.assert_array_equal(a, b)
+    c = allocator.coords(allocator.allocate(2, "a", 0, 6), shape)
+    assert not set(c) & set(a)
+    assert allocator.capacity == 34  # 64 coordinates, 4 self-conjugate: 4 + 60 / 2 classes
+    with pytest.raises(ValueError, match="lower n-frequency"):
+        allocator.allocate(3, "a", 0, 30)
+
+
+def test_union_aggregation_reconstructs_the_sum_of_the_sites_updates_exactly():
+    shape = (24, 20)
+    rng = np.random.default_rng(0)
+    allocator = mx.FrequencyAllocator([shape], seed=2, conjugate_aware=False)
+    coords = [allocator.coords(allocator.allocate(1, c, i, n), shape) for i, (c, n) in enumerate([("a", 30), ("b", 50), ("c", 20)])]
+    values = [rng.normal(size=(2, len(c))).astype(np.float32) for c in coords]
+    union_coords, union_values = mx.union_spectrum(coords, values, [3.0, 1.0, 7.0])
+    aggregated = spectral_updates([union_coords], [union_values], shape)[0]
+    total = sum(spectral_updates(coords, values, shape))
+    torch.testing.assert_close(aggregated, total, rtol=0, atol=1e-6)
+    # a shared coordinate gets the weighted mean of its holders' values
+    shared_coords, shared_values = mx.union_spectrum([coords[0], coords[0]], [values[0], values[1][:, :30]], [1.0, 3.0])
+    np.testing.assert_array_equal(shared_coords, np.sort(coords[0]))
+    order = np.argsort(coords[0])
+    np.testing.assert_allclose(shared_values, ((values[0] + 3 * values[1][:, :30]) / 4)[:, order], rtol=1e-6)
+
+
+def test_conjugate_aware_updates_are_orthogonal_and_a_conjugate_pair_is_not():
+    shape = (16, 16)
+    rng = np.random.default_rng(1)
+    allocator = mx.FrequencyAllocator([shape], seed=3, conjugate_aware=True)
+    coords = [allocator.coords(allocator.allocate(1, c, i, 60), shape) for i, c in enumerate("ab")]
+    values = [rng.normal(size=(2, 60)).astype(np.float32) for _ in coords]
+    da, db = spectral_updates(coords, values, shape)
+    assert float((da * db).sum()) == pytest.approx(0.0, abs=1e-6 * float(da.norm() * db.norm()))
+    # the paper's sampling can hand site b the mirror image of site a's coordinates: the same cosines
+    mirrored = mx.conjugate(coords[0], shape)
+    assert not set(mirrored) & set(coords[0]) - {c for c in coords[0] if mx.conjugate(c, shape) == c}
+    da, db = spectral_updates([coords[0], mirrored], [values[0], values[0]], shape)
+    cosine = float((da * db).sum() / (da.norm() * db.norm()))
+    assert cosine == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fedavg_lora_has_an_interference_term_and_fedstack_is_exact():
+    rng = np.random.default_rng(4)
+    a = [rng.normal(size=(2, 3, 10)) for _ in range(3)]
+    b = [rng.normal(size=(2, 8, 3)) for _ in range(3)]
+    n = [10.0, 30.0, 60.0]
+    p = np.array(n) / sum(n)
+    exact = sum(pk * mx.lora_product(ak, bk, 2.0).astype(np.float64) for pk, ak, bk in zip(p, a, b))
+    stacked_a, stacked_b = mx.stack_lora(a, b, n)
+    assert stacked_a.shape == (2, 9, 10) and stacked_b.shape == (2, 8, 9)
+    np.testing.assert_allclose(mx.lora_product(stacked_a, stacked_b, 2.0), exact, rtol=1e-5, atol=1e-5)
+    averaged = mx.lora_product(sum(pk * ak for pk, ak in zip(p, a)), sum(pk * bk for pk, bk in zip(p, b)), 2.0)
+    interference = sum(2.0 * p[i] * p[j] * b[i] @ a[j] for i in range(3) for j in range(3) if i != j)
+    diagonal = sum(2.0 * p[i] ** 2 * b[i] @ a[i] for i in range(3))
+    np.testing.assert_allclose(averaged, diagonal + interference, rtol=1e-5, atol=1e-5)  # Eq. 6
+    assert np.abs(interference).max() > 0.1 and np.abs(averaged - exact).max() > 0.1
+
+
+# ----------------------------------------------------------------------------- the AAC classifier
+def test_router_sends_samples_to_the_task_with_the_nearest_prototype():
+    torch.manual_seed(0)
+    d, c, tasks = 6, 2, 3
+    prototypes = 4 * torch.eye(d)[:tasks]
+    weight = torch.randn(tasks * c, d)
+    for t in range(tasks):
+        mx.set_block_mean(weight, c, t + 1, prototypes[t])
+    torch.testing.assert_close(mx.task_prototypes(weight, c, tasks), prototypes)
+    features = prototypes[[2, 0, 1, 2]] + 0.1 * torch.randn(4, d)
+    log_p, router = mx.aac_log_probs(features, weight, torch.zeros(tasks * c), c, tasks)
+    assert router.argmax(dim=1).tolist() == [2, 0, 1, 2]
+    torch.testing.assert_close(torch.logsumexp(log_p, dim=1), torch.zeros(4), atol=1e-5, rtol=0)
+    assert set(log_p.argmax(dim=1).tolist()[:1]) <= {4, 5}  # the class comes from the routed task's block
+
+
+def test_the_block_mean_is_invisible_to_the_within_task_softmax():
+    """Why ``aac-prototype='feature-mean'``: the cross-entropy never moves μ_t, and setting it changes nothing
+    the task's own classifier computes."""
+    torch.manual_seed(1)
+    weight = torch.randn(6, 5, requires_grad=True)
+    features, labels = torch.randn(7, 5), torch.tensor([2, 3, 2, 3, 3, 2, 2])
+    mask = mx.logit_mask("aac", 2, 2, 6)
+    loss = nn.functional.cross_entropy((features @ weight.T).masked_fill(~mask, float("-inf")), labels)
+    loss.backward()
+    torch.testing.assert_close(weight.grad[2:4].sum(dim=0), torch.zeros(5), atol=1e-6, rtol=0)
+    shifted = weight.detach().clone()
+    mx.set_block_mean(shifted, 2, 2, torch.full((5,), 3.0))
+    before = torch.log_softmax(features @ weight.detach()[2:4].T, dim=1)
+    torch.testing.assert_close(torch.log_softmax(features @ shifted[2:4].T, dim=1), before)
+    assert mx.logit_mask("unified", 2, 2, 6).tolist() == [True] * 4 + [False] * 2
+
+
+# ----------------------------------------------------------------------------- class-incremental data
+def test_qbli_gives_each_site_k_classes_of_every_task_and_splits_their_rows():
+    spec = DataSpec(partition="qbli", qbli_classes=1, classes_per_task=2, synthetic_size=400)
+    labels = open_source(spec).labels
+    rows = partition_rows(spec, 4).rows
+    assert sum(len(r) for r in rows) == len(labels)
+    for group in ([0, 1], [2, 3], [4, 5], [6, 7]):
+        held = [sorted(set(labels[r][np.isin(labels[r], group)].tolist())) for r in rows]
+        assert all(len(h) == 1 for h in held) and {h[0] for h in held} == set(group)
+    order = [4, 5, 0, 1, 2, 3]
+    spec2 = DataSpec(partition="qbli", qbli_classes=2, classes_per_task=3, task_classes="4,5,0,1,2,3",
+                     synthetic_size=400)
+    for r in partition_rows(spec2, 3).rows:
+        assert len(set(labels[r][np.isin(labels[r], order[:3])].tolist())) == 2
+
+
+def test_incremental_tasks_relabel_by_position_in_the_class_order():
+    class Rows:
+        labels = np.array([5, 2, 7, 0, 2, 5, 1])
+
+        def __getitem__(self, i):
+            return i, int(self.labels[i])
+
+    order = [2, 5, 0, 7, 1, 3]
+    assert count_incremental_tasks(order, 2, 0) == 3
+    with pytest.raises(ValueError, match="needs 8 classes"):
+        count_incremental_tasks(order, 2, 4)
+    second = incremental_task(Rows(), order, 2, 2)
+    assert second.positions.tolist() == [2, 3] and second.labels.tolist() == [3, 2]
+    seen = incremental_task(Rows(), order, 2, 2, seen=True)
+    assert seen.positions.tolist() == [0, 1, 2, 3, 4, 5] and seen.labels.tolist() == [1, 0, 3, 2, 0, 1]
+
+
+def test_bad_incremental_config_is_refused_clearly():
+    with pytest.raises(ConfigError, match="adapter.*'fourier'"):
+        ExperimentConfig.from_run_config({**defaults(), "strategy": "pfedmxf", "adapter": "ia3"})
+    with pytest.raises(ConfigError, match="one class order"):
+        ExperimentConfig.from_run_config({**defaults(), "strategy": "fedstack", "task-order": "shuffled"})
+    with pytest.raises(ConfigError, match="pfedmxf-n-frequency"):
+        ExperimentConfig.from_run_config({**defaults(), "pfedmxf-n-frequency": "100,x"})
+    cfg = ExperimentConfig.from_run_config({**defaults(), "strategy": "fedavg-lora"})
+    assert cfg.model_spec().adapter == "lora-qk"
+
+
+# ----------------------------------------------------------------------------- the protocol, in process
+def test_pfedmxf_protocol_union_merge_bytes_and_summary(tiny, monkeypatch):
+    captured = {}
+    original = mx.PFedMxF.aggregate_updates
+
+    def spy(self, rnd, task, replies):
+        captured[rnd] = {r.client: r.arrays for r in replies}
+        return original(self, rnd, task, replies)
+
+    monkeypatch.setattr(mx.PFedMxF, "aggregate_updates", spy)
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "mx"})
+    summary, grid = run_inprocess(config, num_nodes=3)
+    key, module = "192x192", "backbone.blocks.3.attn.qk_delta"
+    # own coordinates: 64 per site, disjoint within and across tasks
+    owns = [from_record(m.content["arrays"])[f"freq.{key}.own"] for r in (1, 3) for m in sent(grid, "train", r)]
+    assert all(len(o) == 64 for o in owns) and len(np.unique(np.concatenate(owns))) == 6 * 64
+    # round 2 sends back exactly what every site uploaded in round 1, at its own coordinates
+    for message in sent(grid, "train", 2):
+        arrays = from_record(message.content["arrays"])
+        position = {c: i for i, c in enumerate(arrays[f"freq.{key}.coords"].tolist())}
+        for client, upload in captured[1].items():
+            own = [m for m in sent(grid, "train", 1) if m.metadata.dst_node_id == int(client[-1]) + 1][0]
+            coords = from_record(own.content["arrays"])[f"freq.{key}.own"]
+            np.testing.assert_array_equal(arrays[f"{module}.spectrum"][:, [position[c] for c in coords.tolist()]],
+                                          upload[f"{module}.coefficients"])
+    # task 2: the task-1 coordinates arrive tagged as past (merged), the new ones as current
+    arrays = from_record(sent(grid, "train", 3)[0].content["arrays"])
+    assert sorted(np.unique(arrays[f"freq.{key}.task"]).tolist()) == [1, 2]
+    assert int((arrays[f"freq.{key}.task"] == 1).sum()) == 3 * 64
+    # uplink per site and round: 2 x 64 coefficients in 12 blocks + the head (8 x 192 + 8), float32
+    server = records(run_dir_of(config), "server")
+    assert server[0]["bytes_up"] == 3 * 4 * (12 * 2 * 64 + 8 * 192 + 8)
+    assert summary["rounds"] == 4 and set(summary["final"]) >= {"last", "avg", "router_accuracy"}
+    assert list(summary["incremental"]) == ["1", "2"]
+    evals = [r for r in records(run_dir_of(config), "eval") if r["task_end"]]
+    assert {r["task"] for r in evals} == {1, 2} and all(r["n"] > 0 for r in evals)
+    meta = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]
+    assert len(meta["allocations"]) == 6
+    assert "accuracy" in (run_dir_of(config) / "summary.md").read_text()
+
+
+def test_sites_with_different_budgets_aggregate_together(tiny):
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "budgets", "pfedmxf-n-frequency": "40,90,64",
+                                                        "num-tasks": 1})
+    summary, grid = run_inprocess(config, num_nodes=3, node_configs=[{}, {}, {"n-frequency": 17}])
+    sizes = [len(from_record(m.content["arrays"])["freq.192x192.own"]) for m in sent(grid, "train", 1)]
+    assert sizes == [40, 90, 17]
+    assert summary["communication"]["rejected_replies"] == 0 and summary["communication"]["failed_replies"] == 0
+
+
+def test_capacity_error_names_the_remedy(tiny):
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "big", "n-frequency": 9000})
+    with pytest.raises(ValueError, match="lower n-frequency"):
+        run_inprocess(config, num_nodes=3)
+
+
+def test_a_dropped_site_keeps_its_coefficients_in_the_union(tiny, monkeypatch):
+    captured = {}
+    original = mx.PFedMxF.aggregate_updates
+
+    def spy(self, rnd, task, replies):
+        captured[rnd] = [r.client for r in replies]
+        return original(self, rnd, task, replies)
+
+    monkeypatch.setattr(mx.PFedMxF, "aggregate_updates", spy)
+
+    def drop(node_id, message):
+        return node_id == 2 and message.metadata.message_type == "train" and message.metadata.group_id == "2"
+
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "drop", "num-tasks": 1})
+    summary, grid = run_inprocess(config, num_nodes=3, drop=drop)
+    assert captured[2] == ["site-0", "site-2"] and summary["communication"]["failed_replies"] == 1
+    round2 = from_record(sent(grid, "train", 2)[1].content["arrays"])
+    state = load_file(str(run_dir_of(config) / "checkpoint" / "arrays.safetensors"))
+    coords = round2["freq.192x192.own"]
+    position = {c: i for i, c in enumerate(round2["freq.192x192.coords"].tolist())}
+    name = "backbone.blocks.0.attn.qk_delta"
+    np.testing.assert_array_equal(state[f"coef/1/site-1/{name}"],
+                                  round2[f"{name}.spectrum"][:, [position[c] for c in coords.tolist()]])
+
+
+@pytest.mark.parametrize("strategy", ["pfedmxf", "fedstack"])
+def test_resume_equals_an_uninterrupted_run(tiny, strategy):
+    common = {**INCREMENTAL, "strategy": strategy}
+    full = tiny(**{**common, "run-name": "full"})
+    run_inprocess(full, num_nodes=2)
+    part = tiny(**{**common, "run-name": "part", "num-tasks": 1})
+    run_inprocess(part, num_nodes=2)
+    summary, grid = run_inprocess(tiny(**{**common, "resume-from": str(run_dir_of(part))}), num_nodes=2)
+    assert summary["rounds"] == 4 and {m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"} == {"3", "4"}
+    key = lambda d: [(r["round"], r["client"], r["accuracy"]) for r in records(d, "eval")]  # noqa: E731
+    assert key(run_dir_of(full)) == key(run_dir_of(part))
+    x = load_file(str(run_dir_of(full) / "checkpoint" / "arrays.safetensors"))
+    y = load_file(str(run_dir_of(part) / "checkpoint" / "arrays.safetensors"))
+    assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_fedstack_merges_the_exact_weighted_sum_every_round(tiny, monkeypatch):
+    captured = {}
+    original = mx.FedStack.aggregate_updates
+
+    def spy(self, rnd, task, replies):
+        before = {k: v.copy() for k, v in self.merged.items()}
+        original(self, rnd, task, replies)
+        captured[rnd] = (replies, before, {k: v.copy() for k, v in self.merged.items()})
+
+    monkeypatch.setattr(mx.FedStack, "aggregate_updates", spy)
+    config = tiny(**{**INCREMENTAL, "strategy": "fedstack", "run-name": "stack", "num-tasks": 1})
+    _, grid = run_inprocess(config, num_nodes=3)
+    replies, before, after = captured[1]
+    name = "backbone.blocks.5.attn.qk_delta"
+    weights = np.array([r.num_examples for r in replies]) / sum(r.num_examples for r in replies)
+    scale = 16.0 / 2  # lora-alpha / lora-rank
+    expected = sum(w * scale * r.arrays[f"{name}.lora_B"].astype(np.float64) @ r.arrays[f"{name}.lora_A"]
+                   for w, r in zip(weights, replies))
+    np.testing.assert_allclose(after[name] - before[name], expected, rtol=1e-4, atol=1e-7)
+    round2 = from_record(sent(grid, "train", 2)[0].content["arrays"])
+    np.testing.assert_array_equal(round2[f"{name}.merged"], after[name])
+    assert not np.any(round2[f"{name}.lora_B"])  # a fresh LoRA every round
