@@ -225,12 +225,19 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if any("auc_curve" in r for r in run_evals(plan, out_dir, plan["runs"][0], plan["seeds"][0])):
+    first = run_evals(plan, out_dir, plan["runs"][0], plan["seeds"][0])
+    if any("auc_curve" in r for r in first):
         plot_task_overlay(plan, out_dir)
         return
-    metrics = list(plan["metrics"])
+    # Summary-only columns (class-incremental `last`/`avg`) have no per-round values: plot the per-round
+    # accuracy they are made of instead.
+    metrics = [m for m in plan["metrics"] if any(m in r for r in first)]
+    if len(metrics) < len(plan["metrics"]) and "accuracy" not in metrics and any("accuracy" in r for r in first):
+        metrics.insert(0, "accuracy")
+    metrics = metrics or list(plan["metrics"])
+    colors = plt.cm.tab20.colors if len(plan["runs"]) > 10 else plt.cm.tab10.colors
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.3), squeeze=False)
-    for run in plan["runs"]:
+    for i, run in enumerate(plan["runs"]):
         for ax, metric in zip(axes[0], metrics):
             per_round: dict[int, list[float]] = defaultdict(list)
             for seed in plan["seeds"]:
@@ -243,12 +250,16 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
                     per_round[rnd].append(statistics.fmean(vals))
             if per_round:
                 xs = sorted(per_round)
-                ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], marker="o", ms=3, label=run["name"])
+                ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], marker="o", ms=3, label=run["name"],
+                        color=colors[i % len(colors)])
     for ax, metric in zip(axes[0], metrics):
         ax.set_title(metric)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    if len(plan["runs"]) > 6:
+        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    else:
+        axes[0][0].legend(fontsize=8)
     fig.suptitle(plan["name"])
     fig.tight_layout()
     fig.savefig(out_dir / "curves.png", dpi=110)

@@ -272,7 +272,7 @@ class IncrementalClient(ClientHalf):
             log(WARNING, "[medflower] %s has no training rows of task %d; it sends its state unchanged",
                 rt.client, self.task)
         else:
-            params = OrderedDict((n, p) for n, p in model.trainable_parameters().items())
+            params = model.trainable_parameters()
             heads = [p for n, p in params.items() if n in HEAD]
             adapters = [p for n, p in params.items() if n not in HEAD]
             groups = [{"params": adapters, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
@@ -307,7 +307,7 @@ class IncrementalClient(ClientHalf):
                 scores, router = aac_log_probs(features, model.head.weight.float(), model.head.bias.float(), c, t)
                 true_task = torch.div(y, c, rounding_mode="floor")
                 routed += int((router.argmax(dim=1) == true_task).sum())
-                blocks = scores.reshape(len(y), t, c)[torch.arange(len(y)), true_task]
+                blocks = scores.reshape(len(y), t, c)[torch.arange(len(y), device=y.device), true_task]
                 within += int((blocks.argmax(dim=1) == y % c).sum())
             else:
                 scores = model.head(features)[:, : t * c]
