@@ -55,14 +55,14 @@ def test_spectral_layer_equals_peft_fourierft_on_the_q_slice():
     with torch.no_grad():
         reference.q.weight.copy_(qkv.weight[:d])
         reference.q.bias.copy_(qkv.bias[:d])
-    inject_adapter_in_model(FourierFTConfig(n_frequency=n, scaling=scale, target_modules=["q"], random_loc_seed=3,
-                                            init_weights=False), reference)
+    inject_adapter_in_model(FourierFTConfig(n_frequency=n, scaling=scale, target_modules=["q"], init_weights=False),
+                            reference)
     peft_layer = reference.q
     indices, spectrum = peft_layer.indices["default"], peft_layer.fourierft_spectrum["default"]
 
     ours = SpectralQK(d, d, n, scale)
+    torch.testing.assert_close(ours.coords, indices[0] * d + indices[1])  # peft's default random locations
     with torch.no_grad():
-        ours.coords.copy_(indices[0] * d + indices[1])
         ours.coefficients[0].copy_(spectrum)
     qkv.register_forward_hook(ours.hook)
     torch.testing.assert_close(ours.delta()[0], peft_layer.get_delta_weight("default"), rtol=1e-5, atol=1e-7)
@@ -91,6 +91,16 @@ def test_fourier_and_lora_qk_adapters_train_only_their_own_parameters():
     block = next(iter(qk_modules(lora).values()))
     assert isinstance(block, LoRAQK) and block.lora_A.shape == (2, 3, 192) and block.lora_B.shape == (2, 192, 3)
     torch.testing.assert_close(block.delta(), torch.zeros(2, 192, 192))  # B = 0: starts as the backbone
+
+
+@pytest.mark.parametrize("adapter", ["fourier", "lora-qk"])
+def test_the_qk_adapters_also_train_under_fedavg(tiny, adapter):
+    config = tiny(**{"strategy": "fedavg", "adapter": adapter, "n-frequency": 50, "lora-rank": 2, "num-rounds": 2,
+                     "run-name": adapter})
+    summary, _ = run_inprocess(config, num_nodes=2)
+    assert summary["rounds"] == 2 and summary["final"]["accuracy"] > 0.2
+    losses = [r["train_loss"] for r in records(run_dir_of(config), "train")]
+    assert losses[-1] < losses[0]
 
 
 # ----------------------------------------------------------------------------- allocation and aggregation

@@ -23,6 +23,7 @@ from .errors import ModelError
 
 QK_ADAPTERS = ("fourier", "lora-qk")
 QK_MODULE = "qk_delta"  # attribute of the attention module holding the update
+FOURIER_LOCATION_SEED = 777  # peft FourierFTConfig's default random_loc_seed
 
 
 class QKDelta(nn.Module):
@@ -54,7 +55,9 @@ class SpectralQK(QKDelta):
                              f"a {dim_qk}x{dim_in} matrix)")
         self.scale = scale
         self.coefficients = nn.Parameter(torch.zeros(2, n_frequency))  # zero: the model starts as the backbone
-        self.register_buffer("coords", torch.arange(n_frequency), persistent=False)  # flat u * dim_in + v
+        # flat u * dim_in + v; by default peft's random locations (pFedMxF sets its allocation per message)
+        locations = torch.randperm(dim_qk * dim_in, generator=torch.Generator().manual_seed(FOURIER_LOCATION_SEED))
+        self.register_buffer("coords", locations[:n_frequency].clone(), persistent=False)
         self.register_buffer("frozen", torch.zeros(2, dim_qk, dim_in), persistent=False)
 
     def spectrum(self) -> torch.Tensor:

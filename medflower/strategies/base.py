@@ -275,8 +275,9 @@ class FederatedStrategy:
     ) -> list[Reply]:
         """Send one message per node, wait for replies, count bytes, log and drop failures.
 
-        With ``expect`` (one spec, or a function of the node id when nodes send different shapes), a reply whose arrays do not match (names, shapes, dtypes, finite)
-        is rejected: logged with its reason, counted in the round's metrics, left out.
+        With ``expect`` (one spec, or a function of the node id when nodes send different shapes), a reply
+        whose arrays do not match (names, shapes, dtypes, finite) is rejected: logged with its reason,
+        counted in the round's metrics, left out.
         """
         messages = []
         for node_id, content in contents.items():
