@@ -32,7 +32,8 @@ from flwr.serverapp import Grid
 from safetensors.numpy import load_file, save_file
 
 from ..config import ExperimentConfig
-from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
+from ..data import ClientData, DataError, describe_source, load_client_data, make_loader, site_data_spec
+from ..data.tasks import parse_task_classes
 from ..models import AdaptedModel, build_model
 from ..results import RunRecorder
 from ..training import OptimizerSpec, evaluate, pick_device
@@ -358,6 +359,13 @@ class FederatedStrategy:
                 raise TimeoutError(f"only {len(list(grid.get_node_ids()))} nodes connected after "
                                    f"{self.cfg.node_wait_timeout:.0f}s; run-config 'min-nodes' = {self.cfg.min_nodes}")
             time.sleep(1.0)
+
+    def task_class_order(self) -> list[int]:
+        """The run's class order (``task-classes``) as the server sees it: with dataset='site' the class names
+        live on the sites only, so indices stand in for them."""
+        if self.cfg.dataset == "site":
+            return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
+        return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
 
     def total_rounds(self) -> int:
         """Iterations of ``run``: num-rounds (FedKEI: the number of tasks)."""

@@ -40,7 +40,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import safe_name
-from ..data import DataError, describe_source, make_loader
+from ..data import DataError, make_loader
 from ..data.tasks import binary_task, client_class_order, count_tasks, parse_task_classes
 from ..models import adapter_module
 from ..results import continual_summary
@@ -424,15 +424,10 @@ class FedKEI(FederatedStrategy):
         super().__init__(cfg, recorder, initial, num_classes)
         self.parts = split_parts(self.spec)
         self.pool = KnowledgePool(recorder.run_dir / "checkpoint" / "pool", self.spec)
-        self.num_tasks = count_tasks(self._server_class_order(), cfg.num_tasks)
+        self.num_tasks = count_tasks(self.task_class_order(), cfg.num_tasks)
         log(INFO, "[medflower] fedkei (variant %s, %s gradient): %d tasks; module %d adapter + %d head parameters",
             cfg.fedkei_variant, cfg.fedkei_grad, self.num_tasks,
             *(part_width(spec) for spec in self.parts.values()))
-
-    def _server_class_order(self) -> list[int]:
-        if self.cfg.dataset == "site":  # class names live on the sites only
-            return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
-        return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
 
     def total_rounds(self) -> int:
         return self.num_tasks

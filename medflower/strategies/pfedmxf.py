@@ -44,7 +44,7 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..data import DataError, describe_source, make_loader
+from ..data import DataError, make_loader
 from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
 from ..models import build_model
 from ..models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_delta
@@ -76,6 +76,15 @@ def coordinate_order(shape: tuple[int, int], seed: int, conjugate_aware: bool) -
         flat = flat[flat <= conjugate(flat, shape)]
     rng = np.random.default_rng([seed, shape[0], shape[1], 4004])
     return rng.permutation(flat)
+
+
+@dataclass
+class SiteBlock:
+    """A site's coefficients in one task (module name -> [2, n]) and the weight n_k of its last reply
+    (0 until it reports)."""
+
+    coefficients: "OrderedDict[str, np.ndarray]"
+    weight: float = 0.0
 
 
 @dataclass
@@ -143,11 +152,12 @@ class FrequencyAllocator:
 def union_spectrum(coords: Sequence[np.ndarray], values: Sequence[np.ndarray], weights: Sequence[float]
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Scatter every site's coefficients into one sparse spectrum (Eq. 13): sorted coordinates [U] and values
-    [2, U]. A coordinate held by one site keeps its value; one held by several gets their weighted mean."""
+    [R, U] (R rows per site: q and k, of one or many matrices). A coordinate held by one site keeps its
+    value; one held by several gets their weighted mean."""
     flat = np.concatenate(coords)
     unique, inverse = np.unique(flat, return_inverse=True)
     w = np.concatenate([np.full(len(c), float(wk)) for c, wk in zip(coords, weights)])
-    total = np.zeros((2, len(unique)))
+    total = np.zeros((values[0].shape[0], len(unique)))
     np.add.at(total.T, inverse, (np.concatenate(values, axis=1) * w).T)
     mass = np.zeros(len(unique))
     np.add.at(mass, inverse, w)
@@ -399,20 +409,14 @@ class IncrementalStrategy(FederatedStrategy):
 
     def __init__(self, cfg, recorder, initial, num_classes):
         super().__init__(cfg, recorder, initial, num_classes)
-        self.classes_per_task = cfg.classes_per_task
-        self.num_tasks = count_incremental_tasks(self._server_class_order(), cfg.classes_per_task, cfg.num_tasks)
+        self.num_tasks = count_incremental_tasks(self.task_class_order(), cfg.classes_per_task, cfg.num_tasks)
         with torch.random.fork_rng(devices=[]):  # the q/k modules' shapes (the arrays do not show them all)
             self.modules = {name: (m.dim_qk, m.dim_in) for name, m in
                             qk_modules(build_model(cfg.model_spec(), num_classes)).items()}
         self.head_spec = OrderedDict((k, self.spec[k]) for k in HEAD)
         log(INFO, "[medflower] %s (%s classifier): %d tasks x %d classes, %d rounds per task; %d q/k matrices",
-            self.name, cfg.classifier, self.num_tasks, self.classes_per_task, cfg.rounds_per_task,
+            self.name, cfg.classifier, self.num_tasks, cfg.classes_per_task, cfg.rounds_per_task,
             2 * len(self.modules))
-
-    def _server_class_order(self) -> list[int]:
-        if self.cfg.dataset == "site":
-            return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
-        return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
 
     def total_rounds(self) -> int:
         return self.num_tasks * self.cfg.rounds_per_task
@@ -495,9 +499,7 @@ class PFedMxF(IncrementalStrategy):
         super().__init__(cfg, recorder, initial, num_classes)
         self.allocator = FrequencyAllocator(list(self.modules.values()), cfg.seed, cfg.conjugate_aware,
                                             shared=cfg.frequency_sharing == "shared")
-        # (task, client) -> module name -> [2, n] coefficients, and the weight of that site's last reply
-        self.coefficients: dict[tuple[int, str], OrderedDict[str, np.ndarray]] = {}
-        self.weights: dict[tuple[int, str], float] = {}
+        self.blocks: dict[tuple[int, str], SiteBlock] = {}  # (task, client) -> its coefficients and weight
 
     def n_frequency(self, node_id: int) -> int:
         return int(self.nodes[node_id].extra.get("n-frequency", self.cfg.n_frequency))
@@ -506,36 +508,27 @@ class PFedMxF(IncrementalStrategy):
         for node_id in nodes:  # lexicographic (task, partition id): nodes come in partition order
             info = self.nodes[node_id]
             allocation = self.allocator.allocate(task, info.client, info.partition_id, self.n_frequency(node_id))
-            key = (task, info.client)
-            if key not in self.coefficients:
-                self.coefficients[key] = OrderedDict(
-                    (name, np.zeros((2, allocation.n), np.float32)) for name in self.modules)
-                self.weights[key] = 0.0
+            if (task, info.client) not in self.blocks:
+                self.blocks[(task, info.client)] = SiteBlock(OrderedDict(
+                    (name, np.zeros((2, allocation.n), np.float32)) for name in self.modules))
 
     def union(self, upto_task: int) -> dict[str, Any]:
         """Per shape the sorted union of the allocated coordinates of tasks <= ``upto_task`` with their task,
-        and per module the union spectrum's values [2, U]."""
+        and per module the union spectrum's values [2, U] (one scatter per shape for all its modules)."""
         out: dict[str, Any] = {}
         allocations = [a for a in self.allocator.allocations if a.task <= upto_task]
+        blocks = [self.blocks[(a.task, a.client)] for a in allocations]
         for shape in sorted(set(self.modules.values())):
-            coords = [self.allocator.coords(a, shape) for a in allocations]
-            # a coordinate belongs to one task (shared blocks are per task); weight 1 where nobody reported yet
-            weights = [self.weights[(a.task, a.client)] for a in allocations]  # 0 until a site reports
-            tasks = np.concatenate([np.full(len(c), a.task, np.int32) for a, c in zip(allocations, coords)]) \
-                if allocations else np.zeros(0, np.int32)
-            flat = np.concatenate(coords) if coords else np.zeros(0, np.int64)
-            unique, first = np.unique(flat, return_index=True)
+            names = [name for name, module_shape in self.modules.items() if module_shape == shape]
+            coords = [self.allocator.coords(a, shape) for a in allocations] or [np.zeros(0, np.int64)]
+            tasks = np.concatenate([np.full(a.n, a.task, np.int32) for a in allocations] or [np.zeros(0, np.int32)])
+            rows = [np.concatenate([b.coefficients[name] for name in names]) for b in blocks] \
+                or [np.zeros((2 * len(names), 0), np.float32)]
+            unique, values = union_spectrum(coords, rows, [b.weight for b in blocks] or [0.0])
+            first = np.unique(np.concatenate(coords), return_index=True)[1]  # shared blocks belong to one task
             out[f"freq.{shape_key(shape)}.coords"] = unique.astype(np.int64)
             out[f"freq.{shape_key(shape)}.task"] = tasks[first]
-            for name, module_shape in self.modules.items():
-                if module_shape != shape:
-                    continue
-                if allocations:
-                    _, values = union_spectrum(coords, [self.coefficients[(a.task, a.client)][name]
-                                                        for a in allocations], weights)
-                else:
-                    values = np.zeros((2, 0), np.float32)
-                out[f"{name}.spectrum"] = values
+            out.update((f"{name}.spectrum", values[2 * i:2 * i + 2]) for i, name in enumerate(names))
         return out
 
     def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
@@ -553,18 +546,16 @@ class PFedMxF(IncrementalStrategy):
 
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         for reply in replies:
-            key = (task, reply.client)
-            self.coefficients[key] = OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules)
-            self.weights[key] = reply.num_examples
+            self.blocks[(task, reply.client)] = SiteBlock(
+                OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules), reply.num_examples)
 
     # ------------------------------------------------------------------ persistence
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
         arrays = OrderedDict((k, self.global_arrays[k]) for k in HEAD)
-        for (task, client), modules in sorted(self.coefficients.items()):
-            for name, value in modules.items():
-                arrays[f"coef/{task}/{client}/{name}"] = value
+        for (task, client), block in sorted(self.blocks.items()):
+            arrays.update((f"coef/{task}/{client}/{name}", value) for name, value in block.coefficients.items())
         return arrays, {"allocations": self.allocator.table(),
-                        "weights": [[t, c, w] for (t, c), w in sorted(self.weights.items())]}
+                        "weights": [[t, c, b.weight] for (t, c), b in sorted(self.blocks.items())]}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
         head = OrderedDict((k, arrays[k]) for k in HEAD)
@@ -572,11 +563,10 @@ class PFedMxF(IncrementalStrategy):
             raise ValueError(f"checkpoint does not fit this model: {problem}")
         self.global_arrays.update(head)
         self.allocator.restore(meta["allocations"])
-        self.weights = {(int(t), str(c)): float(w) for t, c, w in meta["weights"]}
-        self.coefficients = {}
-        for a in self.allocator.allocations:
-            self.coefficients[(a.task, a.client)] = OrderedDict(
-                (name, np.array(arrays[f"coef/{a.task}/{a.client}/{name}"])) for name in self.modules)
+        weights = {(int(t), str(c)): float(w) for t, c, w in meta["weights"]}
+        self.blocks = {(a.task, a.client): SiteBlock(OrderedDict(
+            (name, np.array(arrays[f"coef/{a.task}/{a.client}/{name}"])) for name in self.modules),
+            weights[(a.task, a.client)]) for a in self.allocator.allocations}
 
 
 class FedAvgLoRA(IncrementalStrategy):
