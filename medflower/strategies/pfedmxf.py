@@ -47,7 +47,7 @@ from flwr.common.logger import log
 from ..data import DataError, make_loader
 from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
 from ..models import build_model
-from ..models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_delta
+from ..models.qk_delta import LoRAQK, qk_modules, spectral_delta
 from ..results import incremental_summary
 from ..training import train_epochs
 from .base import ArraySpec, ClientHalf, FederatedStrategy, Reply, derive_seed, from_record, to_record, \
@@ -356,26 +356,23 @@ class PFedMxFClient(IncrementalClient):
         return content
 
     def load(self, arrays: Mapping[str, np.ndarray], training: bool) -> None:
-        task = self.task
         device = self.rt.device
         model = self.rt.model.to(device)
+        layouts: dict[tuple[int, int], SpectrumLayout] = {}
         with torch.no_grad():
             for name, module in qk_modules(model).items():
-                assert isinstance(module, SpectralQK)
                 shape = (module.dim_qk, module.dim_in)
-                key = shape_key(shape)
-                coords, tasks = arrays[f"freq.{key}.coords"], arrays[f"freq.{key}.task"]
-                values = arrays[f"{name}.spectrum"]
-                own = np.isin(coords, arrays[f"freq.{key}.own"]) if training else np.zeros(len(coords), bool)
-                past, now = tasks < task, (tasks == task) & ~own
+                if shape not in layouts:
+                    layouts[shape] = SpectrumLayout.of(arrays, shape, self.task, training)
+                layout, values = layouts[shape], arrays[f"{name}.spectrum"]
                 module.merged.copy_(spectral_delta(torch.as_tensor(
-                    dense_spectrum(coords[past], values[:, past], shape), device=device), module.scale))
-                module.frozen.copy_(torch.as_tensor(dense_spectrum(coords[now], values[:, now], shape), device=device))
+                    dense_spectrum(layout.coords[layout.past], values[:, layout.past], shape), device=device),
+                    module.scale))
+                module.frozen.copy_(torch.as_tensor(
+                    dense_spectrum(layout.coords[layout.now], values[:, layout.now], shape), device=device))
                 if training:
-                    own_coords = arrays[f"freq.{key}.own"]
-                    lookup = dict(zip(coords.tolist(), range(len(coords))))
-                    module.coords.copy_(torch.as_tensor(own_coords, device=device))
-                    module.coefficients.copy_(torch.as_tensor(values[:, [lookup[c] for c in own_coords.tolist()]]))
+                    module.coords.copy_(torch.as_tensor(layout.own_coords, device=device))
+                    module.coefficients.copy_(torch.as_tensor(values[:, layout.own_positions]))
                 else:
                     module.coefficients.zero_()
         self.rt.model.set_trainable({k: arrays[k] for k in HEAD}, strict=False)
@@ -383,6 +380,29 @@ class PFedMxFClient(IncrementalClient):
     def upload(self) -> "OrderedDict[str, np.ndarray]":
         params = self.rt.model.get_trainable()
         return OrderedDict((k, v) for k, v in params.items() if k.endswith(".coefficients"))
+
+
+@dataclass
+class SpectrumLayout:
+    """Where a received union spectrum's coordinates go on this site, for one matrix shape: past tasks
+    (merged), the other sites' coordinates of the current task (frozen), its own (trainable)."""
+
+    coords: np.ndarray
+    past: np.ndarray
+    now: np.ndarray
+    own_coords: np.ndarray
+    own_positions: np.ndarray
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, np.ndarray], shape: tuple[int, int], task: int, training: bool) -> "SpectrumLayout":
+        key = shape_key(shape)
+        coords, tasks = arrays[f"freq.{key}.coords"], arrays[f"freq.{key}.task"]
+        own_coords = arrays[f"freq.{key}.own"] if training else np.zeros(0, np.int64)
+        own = np.isin(coords, own_coords)
+        positions = np.searchsorted(coords, own_coords)  # coords are sorted, and hold every own coordinate
+        if training and not np.array_equal(coords[np.minimum(positions, len(coords) - 1)], own_coords):
+            raise ValueError("the union spectrum does not contain this site's own coordinates")
+        return cls(coords, tasks < task, (tasks == task) & ~own, own_coords, positions)
 
 
 class LoRAClient(IncrementalClient):
