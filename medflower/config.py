@@ -183,6 +183,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
     Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
     Option("proximal-mu", 0.01, "FedProx proximal weight mu (strategy fedprox)", non_negative, "train"),
+    Option("scaffold-global-lr", 1.0, "SCAFFOLD server step size eta_g (strategy scaffold; needs optimizer='sgd', momentum=0)", positive, "train"),
+    Option("feddyn-alpha", 0.01, "FedDyn regulariser alpha (strategy feddyn)", positive, "train"),
     # --- SGCA (FedSCA) and LAT
     Option("lat-layers", 1, "sgca/lat: lowest adapter modules that travel (an integer, or 'all')", None, "sgca", _parse_lat_layers),
     Option("sgca-alpha", 0.8, "sgca: weight alpha of the distance term in the aggregation QP", non_negative, "sgca"),
@@ -285,6 +287,8 @@ class ExperimentConfig:
     momentum: float
     weight_decay: float
     proximal_mu: float
+    scaffold_global_lr: float
+    feddyn_alpha: float
     lat_layers: int | str
     sgca_alpha: float
     sgca_beta: float
@@ -344,6 +348,9 @@ class ExperimentConfig:
         if self.strategy in CONTINUAL_STRATEGIES and self.model_task != "classification":
             raise _bad("strategy", self.strategy, "continual task streams need a classification source "
                        f"(dataset {self.dataset!r} is {self.model_task})")
+        if self.strategy == "scaffold" and (self.optimizer != "sgd" or self.momentum != 0):
+            raise _bad("optimizer", self.optimizer, "scaffold's control variates (option II) assume plain SGD "
+                       f"steps: use optimizer='sgd' momentum=0 (momentum is {self.momentum})")
         if self.strategy in INCREMENTAL_ADAPTERS:
             if self.model_task != "classification":
                 raise _bad("strategy", self.strategy, "class-incremental tasks need a classification source "

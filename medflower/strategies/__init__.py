@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from .base import ClientHalf, FederatedStrategy
+from .drift import FedDyn, Scaffold
 from .fedavg import FedAvg, FedProx, Local
 from .fedkei import FedKEI
 from .pfedmxf import FedAvgLoRA, FedStack, PFedMxF
 from .sgca import LAT, SGCA
 
 STRATEGIES: dict[str, type[FederatedStrategy]] = {
-    s.name: s for s in (FedAvg, FedProx, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack)}
+    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack)}
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

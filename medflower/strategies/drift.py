@@ -1,0 +1,182 @@
+"""SCAFFOLD and FedDyn: client-drift corrections with per-site state, the baselines SiFT compares against
+(DESIGN 3.4), over the trainable arrays (adapters + head, or whatever the model trains).
+
+Both keep a per-site array set in ``PersonalState`` (``context.state``, mirrored to the site's state folder,
+so a resumed run or a restarted site gets it back) and a server-side set in the checkpoint. Both use the
+papers' uniform means over the participating sites, not size weights.
+
+- SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II). Local steps use g − c_i + c, added as the
+  linear loss term ⟨θ, c − c_i⟩ (its gradient is exactly the correction). Then
+  c_i⁺ = c_i − c + (x − y)/(K·η_l) over the K local SGD steps. The server does x ← x + η_g·mean(Δy) and
+  c ← c + (|S|/N)·mean(Δc). Option II's estimate assumes plain SGD steps, so ``scaffold`` requires
+  ``optimizer='sgd'`` and ``momentum=0``.
+- FedDyn (Acar et al. 2021, Algorithm 1). Local objective L_i(θ) − ⟨h_i, θ⟩ + (α/2)‖θ − θ^{t−1}‖².
+  Then h_i ← h_i − α(θ_i − θ^{t−1}). The server does h ← h − (α/N)·Σ_{i∈S}(θ_i − θ^{t−1}) and
+  θ^t = mean(θ_i) − h/α.
+
+What leaves a site: SCAFFOLD sends its model change Δy and control change Δc (twice the trainable
+arrays); FedDyn sends its trainable arrays. Both also send n_k.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import Message, RecordDict
+
+from ..training import train_epochs
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record
+
+CONTROL = "control."  # SCAFFOLD's control variates travel as "control.<name>"
+DYN_H = "feddyn-h/"  # FedDyn's server h in the checkpoint
+
+
+def linear_term(model, direction: Mapping[str, torch.Tensor]):
+    """Extra loss ⟨θ, d⟩ over the trainable arrays: its gradient adds d to every step's gradient."""
+    params = model.trainable_parameters()
+
+    def extra_loss(_model, _logits, _labels):
+        return sum((params[k] * direction[k]).sum() for k in params)
+
+    return extra_loss
+
+
+def feddyn_term(model, h: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], alpha: float):
+    """FedDyn's extra loss −⟨h_i, θ⟩ + (α/2)‖θ − θ^{t−1}‖² (Acar et al. 2021, Eq. in Algorithm 1)."""
+    params = model.trainable_parameters()
+
+    def extra_loss(_model, _logits, _labels):
+        return sum(-(params[k] * h[k]).sum() + 0.5 * alpha * ((params[k] - anchor[k]) ** 2).sum() for k in params)
+
+    return extra_loss
+
+
+def _tensors(arrays: Mapping[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v, device=device) for k, v in arrays.items()}
+
+
+def _zeros_like(arrays: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, np.zeros_like(v)) for k, v in arrays.items())
+
+
+def _mean(arrays: list[Mapping[str, np.ndarray]]) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, np.mean([a[k].astype(np.float64) for a in arrays], axis=0).astype(np.float32))
+                       for k in arrays[0])
+
+
+# ----------------------------------------------------------------------------- SCAFFOLD
+class ScaffoldClient(ClientHalf):
+    """Local SGD with the control-variate correction; keeps c_i, sends Δy and Δc."""
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        received = from_record(message.content["arrays"])
+        x = OrderedDict((k, v) for k, v in received.items() if not k.startswith(CONTROL))
+        c = OrderedDict((k[len(CONTROL):], v) for k, v in received.items() if k.startswith(CONTROL))
+        state = PersonalState(rt, key="scaffold-control")
+        c_i = state.load(before=rt.round) or _zeros_like(x)
+        rt.model.set_trainable(x)
+        rt.model.to(rt.device)
+        correction = _tensors({k: c[k] - c_i[k] for k in x}, rt.device)
+        torch.manual_seed(rt.seed(2))
+        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
+                               optimizer=rt.optimizer(), device=rt.device, extra_loss=linear_term(rt.model, correction))
+        y = rt.model.get_trainable()
+        steps_lr = metrics["train_steps"] * rt.cfg.lr
+        c_new = OrderedDict((k, (c_i[k] - c[k] + (x[k] - y[k]) / steps_lr).astype(np.float32)) for k in x)
+        state.save(rt.round, c_new)
+        arrays = OrderedDict((k, y[k] - x[k]) for k in x)
+        arrays.update((CONTROL + k, c_new[k] - c_i[k]) for k in x)
+        metrics["num-examples"] = len(rt.data.train)
+        return self.reply(arrays=arrays, metrics=metrics)
+
+
+class Scaffold(FederatedStrategy):
+    """SCAFFOLD (option II): x ← x + η_g·mean(Δy), c ← c + (|S|/N)·mean(Δc).
+
+    Leaves a site: Δy and Δc over the trainable arrays, n_k.
+    """
+
+    name = "scaffold"
+    client_half = ScaffoldClient
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.control = _zeros_like(self.global_arrays)
+
+    def reply_spec(self) -> ArraySpec:
+        return OrderedDict([*self.spec.items(), *((CONTROL + k, v) for k, v in self.spec.items())])
+
+    def train_content(self, rnd: int, node_id: int) -> RecordDict:
+        arrays = OrderedDict(self.global_arrays)
+        arrays.update((CONTROL + k, v) for k, v in self.control.items())
+        return RecordDict({"arrays": to_record(arrays), "config": self.base_config(rnd)})
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        delta_y = _mean([{k: r.arrays[k] for k in self.spec} for r in replies])
+        delta_c = _mean([{k: r.arrays[CONTROL + k] for k in self.spec} for r in replies])
+        share = len(replies) / max(len(self.nodes), 1)
+        for k in self.spec:
+            self.global_arrays[k] = (self.global_arrays[k] + self.cfg.scaffold_global_lr * delta_y[k]).astype(np.float32)
+            self.control[k] = (self.control[k] + share * delta_c[k]).astype(np.float32)
+
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        return OrderedDict([*self.global_arrays.items(), *((CONTROL + k, v) for k, v in self.control.items())]), {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        super().load_state({k: v for k, v in arrays.items() if not k.startswith(CONTROL)}, meta)
+        self.control = OrderedDict((k, np.array(arrays[CONTROL + k])) for k in self.spec)
+
+
+# ----------------------------------------------------------------------------- FedDyn
+class FedDynClient(ClientHalf):
+    """Local training with FedDyn's linear and quadratic terms; keeps h_i, sends θ_i."""
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        anchor = from_record(message.content["arrays"])
+        alpha = rt.cfg.feddyn_alpha
+        state = PersonalState(rt, key="feddyn-h")
+        h = state.load(before=rt.round) or _zeros_like(anchor)
+        rt.model.set_trainable(anchor)
+        rt.model.to(rt.device)
+        extra = feddyn_term(rt.model, _tensors(h, rt.device), _tensors(anchor, rt.device), alpha)
+        torch.manual_seed(rt.seed(2))
+        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
+                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        theta = rt.model.get_trainable()
+        state.save(rt.round, OrderedDict((k, (h[k] - alpha * (theta[k] - anchor[k])).astype(np.float32)) for k in h))
+        metrics["num-examples"] = len(rt.data.train)
+        return self.reply(arrays=theta, metrics=metrics)
+
+
+class FedDyn(FederatedStrategy):
+    """FedDyn: h ← h − (α/N)·Σ_S(θ_i − θ), θ ← mean_S(θ_i) − h/α.
+
+    Leaves a site: its trainable arrays after local training, n_k.
+    """
+
+    name = "feddyn"
+    client_half = FedDynClient
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        super().__init__(cfg, recorder, initial, num_classes)
+        self.h = _zeros_like(self.global_arrays)
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        alpha, total = self.cfg.feddyn_alpha, max(len(self.nodes), 1)
+        mean = _mean([r.arrays for r in replies])
+        for k in self.spec:
+            drift = sum(r.arrays[k].astype(np.float64) - self.global_arrays[k] for r in replies)
+            self.h[k] = (self.h[k] - alpha / total * drift).astype(np.float32)
+            self.global_arrays[k] = (mean[k] - self.h[k] / alpha).astype(np.float32)
+
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        return OrderedDict([*self.global_arrays.items(), *((DYN_H + k, v) for k, v in self.h.items())]), {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        super().load_state({k: v for k, v in arrays.items() if not k.startswith(DYN_H)}, meta)
+        self.h = OrderedDict((k, np.array(arrays[DYN_H + k])) for k in self.spec)

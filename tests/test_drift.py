@@ -1,0 +1,110 @@
+"""SCAFFOLD and FedDyn: the correction terms' gradients, the papers' client and server updates on real
+replies, per-site state across a resume, and the config check."""
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.inprocess import run_inprocess
+from medflower.strategies import drift
+from medflower.strategies.base import from_record
+
+SGD = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05}
+
+
+class Params(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3, 2))
+        self.b = nn.Parameter(torch.randn(4))
+
+    def trainable_parameters(self):
+        return OrderedDict([("a", self.a), ("b", self.b)])
+
+
+def records(run_dir: Path, kind: str):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_scaffold_term_adds_c_minus_ci_and_feddyn_term_has_the_papers_gradient():
+    torch.manual_seed(0)
+    model = Params()
+    direction = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    drift.linear_term(model, direction)(model, None, None).backward()
+    torch.testing.assert_close(model.a.grad, direction["a"])
+    torch.testing.assert_close(model.b.grad, direction["b"])
+    model.zero_grad()
+    h = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    anchor = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    drift.feddyn_term(model, h, anchor, 0.3)(model, None, None).backward()
+    for k in ("a", "b"):
+        torch.testing.assert_close(getattr(model, k).grad, -h[k] + 0.3 * (getattr(model, k).detach() - anchor[k]))
+
+
+def capture(monkeypatch, strategy_class):
+    captured = {}
+    original = strategy_class.aggregate_train
+
+    def spy(self, rnd, replies):
+        before = OrderedDict((k, v.copy()) for k, v in self.global_arrays.items())
+        original(self, rnd, replies)
+        captured[rnd] = (replies, before)
+
+    monkeypatch.setattr(strategy_class, "aggregate_train", spy)
+    return captured
+
+
+def test_scaffold_follows_option_ii_on_the_sites_and_the_server(tiny, monkeypatch):
+    captured = capture(monkeypatch, drift.Scaffold)
+    config = tiny(**{**SGD, "strategy": "scaffold", "run-name": "scaffold", "num-rounds": 2, "scaffold-global-lr": 0.5})
+    summary, grid = run_inprocess(config, num_nodes=3)
+    replies, x = captured[1]
+    name = "head.weight"
+    for r in replies:  # round 1: c = c_i = 0, so Δc = c_i⁺ = (x − y)/(K η) = −Δy/(K η)
+        np.testing.assert_allclose(r.arrays[drift.CONTROL + name], -r.arrays[name] / (r.metrics["train_steps"] * 0.05),
+                                   rtol=1e-4, atol=1e-6)
+    round2 = from_record([m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"][0]
+                         .content["arrays"])
+    mean_dy = np.mean([r.arrays[name] for r in replies], axis=0)
+    mean_dc = np.mean([r.arrays[drift.CONTROL + name] for r in replies], axis=0)
+    np.testing.assert_allclose(round2[name], x[name] + 0.5 * mean_dy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(round2[drift.CONTROL + name], mean_dc, rtol=1e-5, atol=1e-6)  # |S| = N
+    losses = [r["train_loss"] for r in records(Path(config["output-dir"]) / "scaffold", "train")]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+
+
+def test_feddyn_server_step_is_the_mean_minus_h_over_alpha(tiny, monkeypatch):
+    captured = capture(monkeypatch, drift.FedDyn)
+    config = tiny(**{"strategy": "feddyn", "run-name": "feddyn", "num-rounds": 2, "feddyn-alpha": 0.1})
+    run_inprocess(config, num_nodes=3)
+    replies, theta = captured[1]
+    name = "head.bias"
+    h = -0.1 / 3 * sum(r.arrays[name].astype(np.float64) - theta[name] for r in replies)
+    expected = np.mean([r.arrays[name] for r in replies], axis=0) - h / 0.1
+    theta_round2 = captured[2][1]  # the global arrays round 2 started from
+    np.testing.assert_allclose(theta_round2[name], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy,extra", [("scaffold", SGD), ("feddyn", {})])
+def test_resume_restores_the_sites_state_and_equals_an_uninterrupted_run(tiny, strategy, extra):
+    common = {**extra, "strategy": strategy}
+    full = tiny(**{**common, "run-name": "full", "num-rounds": 3})
+    run_inprocess(full, num_nodes=2)
+    part = tiny(**{**common, "run-name": "part", "num-rounds": 2})
+    run_inprocess(part, num_nodes=2)
+    run_inprocess(tiny(**{**common, "num-rounds": 3, "resume-from": str(Path(part["output-dir"]) / "part")}), num_nodes=2)
+    key = lambda d: [(r["round"], r["client"], r["train_loss"]) for r in records(d, "train")]  # noqa: E731
+    out = Path(full["output-dir"])
+    assert key(out / "full") == key(out / "part") and len(key(out / "full")) == 6
+
+
+def test_scaffold_refuses_adaptive_optimizers():
+    with pytest.raises(ConfigError, match="optimizer='sgd' momentum=0"):
+        ExperimentConfig.from_run_config({**defaults(), "strategy": "scaffold"})
+    ExperimentConfig.from_run_config({**defaults(), "strategy": "scaffold", "optimizer": "sgd", "momentum": 0.0})
