@@ -36,7 +36,7 @@ from ..data import ClientData, DataError, describe_source, load_client_data, mak
 from ..data.tasks import parse_task_classes
 from ..models import AdaptedModel, build_model
 from ..results import RunRecorder
-from ..training import OptimizerSpec, evaluate, pick_device
+from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
 
 ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -400,7 +400,7 @@ class FederatedStrategy:
     def run_round(self, grid: Grid, rnd: int) -> None:
         selected = self.sample_nodes(rnd)
         contents = {n: self.train_content(rnd, n) for n in selected}
-        replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec())
+        replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
         for reply in replies:
             self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
         started = time.monotonic()
@@ -413,8 +413,8 @@ class FederatedStrategy:
         for reply in self.exchange(grid, "evaluate", contents, rnd):
             self.recorder.log_client(rnd, reply.client, "eval", reply.metrics)
 
-    def reply_spec(self) -> ArraySpec | None:
-        """Arrays a training reply must carry."""
+    def reply_spec(self, node_id: int) -> ArraySpec | None:
+        """Arrays node ``node_id``'s training reply must carry (the same for every node, by default)."""
         return self.spec
 
     def train_content(self, rnd: int, node_id: int) -> RecordDict:
@@ -523,6 +523,12 @@ class ClientRuntime:
 
     def optimizer(self) -> OptimizerSpec:
         return OptimizerSpec(self.cfg.optimizer, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay)
+
+    def train_local(self, extra_loss=None) -> dict[str, float]:
+        """``local-epochs`` of the site's training split on the current model (seeded per site and round)."""
+        torch.manual_seed(self.seed(2))
+        return train_epochs(self.model, self.loader("train", shuffle=True), epochs=self.cfg.local_epochs,
+                            optimizer=self.optimizer(), device=self.device, extra_loss=extra_loss)
 
     def evaluate_splits(self, splits: Iterable[str] = ("val", "test")) -> dict[str, float]:
         """Metrics of the current model: test metrics unprefixed, others as '<split>_<metric>'."""

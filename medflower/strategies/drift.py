@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..training import train_epochs
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record, \
+    weighted_mean
+from .fedavg import proximal_term
 
 CONTROL = "control."  # SCAFFOLD's control variates travel as "control.<name>"
 DYN_H = "feddyn-h/"  # FedDyn's server h in the checkpoint
@@ -45,11 +46,13 @@ def linear_term(model, direction: Mapping[str, torch.Tensor]):
 
 
 def feddyn_term(model, h: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor], alpha: float):
-    """FedDyn's extra loss −⟨h_i, θ⟩ + (α/2)‖θ − θ^{t−1}‖² (Acar et al. 2021, Eq. in Algorithm 1)."""
-    params = model.trainable_parameters()
+    """FedDyn's extra loss −⟨h_i, θ⟩ + (α/2)‖θ − θ^{t−1}‖² (Acar et al. 2021, Algorithm 1): a linear term plus
+    FedProx's proximal term with mu = α."""
+    linear = linear_term(model, {k: -v for k, v in h.items()})
+    proximal = proximal_term(model, anchor, alpha)
 
-    def extra_loss(_model, _logits, _labels):
-        return sum(-(params[k] * h[k]).sum() + 0.5 * alpha * ((params[k] - anchor[k]) ** 2).sum() for k in params)
+    def extra_loss(model_, logits, labels):
+        return linear(model_, logits, labels) + proximal(model_, logits, labels)
 
     return extra_loss
 
@@ -63,8 +66,8 @@ def _zeros_like(arrays: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarra
 
 
 def _mean(arrays: list[Mapping[str, np.ndarray]]) -> "OrderedDict[str, np.ndarray]":
-    return OrderedDict((k, np.mean([a[k].astype(np.float64) for a in arrays], axis=0).astype(np.float32))
-                       for k in arrays[0])
+    """The papers' uniform mean over the participating sites."""
+    return weighted_mean(arrays, [1.0] * len(arrays))
 
 
 # ----------------------------------------------------------------------------- SCAFFOLD
@@ -81,9 +84,7 @@ class ScaffoldClient(ClientHalf):
         rt.model.set_trainable(x)
         rt.model.to(rt.device)
         correction = _tensors({k: c[k] - c_i[k] for k in x}, rt.device)
-        torch.manual_seed(rt.seed(2))
-        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
-                               optimizer=rt.optimizer(), device=rt.device, extra_loss=linear_term(rt.model, correction))
+        metrics = rt.train_local(linear_term(rt.model, correction))
         y = rt.model.get_trainable()
         steps_lr = metrics["train_steps"] * rt.cfg.lr
         c_new = OrderedDict((k, (c_i[k] - c[k] + (x[k] - y[k]) / steps_lr).astype(np.float32)) for k in x)
@@ -107,7 +108,7 @@ class Scaffold(FederatedStrategy):
         super().__init__(cfg, recorder, initial, num_classes)
         self.control = _zeros_like(self.global_arrays)
 
-    def reply_spec(self) -> ArraySpec:
+    def reply_spec(self, node_id: int) -> ArraySpec:
         return OrderedDict([*self.spec.items(), *((CONTROL + k, v) for k, v in self.spec.items())])
 
     def train_content(self, rnd: int, node_id: int) -> RecordDict:
@@ -144,9 +145,7 @@ class FedDynClient(ClientHalf):
         rt.model.set_trainable(anchor)
         rt.model.to(rt.device)
         extra = feddyn_term(rt.model, _tensors(h, rt.device), _tensors(anchor, rt.device), alpha)
-        torch.manual_seed(rt.seed(2))
-        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
-                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        metrics = rt.train_local(extra)
         theta = rt.model.get_trainable()
         state.save(rt.round, OrderedDict((k, (h[k] - alpha * (theta[k] - anchor[k])).astype(np.float32)) for k in h))
         metrics["num-examples"] = len(rt.data.train)

@@ -12,7 +12,6 @@ from typing import Mapping
 import torch
 from flwr.app import Message, RecordDict
 
-from ..training import train_epochs
 from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record
 
 
@@ -39,9 +38,7 @@ class FedAvgClient(ClientHalf):
             anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in global_arrays.items()}
             rt.model.to(rt.device)
             extra = proximal_term(rt.model, anchor, mu)
-        torch.manual_seed(rt.seed(2))
-        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
-                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        metrics = rt.train_local(extra)
         metrics["num-examples"] = len(rt.data.train)
         return self.reply(arrays=rt.model.get_trainable(), metrics=metrics)
 
@@ -75,9 +72,7 @@ class LocalClient(ClientHalf):
         rt = self.rt
         personal = PersonalState(rt).load(before=rt.round)
         rt.model.set_trainable(personal if personal is not None else rt.initial_arrays)
-        torch.manual_seed(rt.seed(2))
-        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
-                               optimizer=rt.optimizer(), device=rt.device)
+        metrics = rt.train_local()
         PersonalState(rt).save(rt.round, rt.model.get_trainable())
         metrics["num-examples"] = len(rt.data.train)
         return self.reply(metrics=metrics)
@@ -99,7 +94,7 @@ class Local(FederatedStrategy):
     name = "local"
     client_half = LocalClient
 
-    def reply_spec(self) -> ArraySpec | None:
+    def reply_spec(self, node_id: int) -> ArraySpec | None:
         return {}
 
     def train_content(self, rnd: int, node_id: int) -> RecordDict:

@@ -456,9 +456,6 @@ class IncrementalStrategy(FederatedStrategy):
         """What only this node gets for training (pfedmxf: its own coordinates)."""
         return OrderedDict()
 
-    def upload_spec(self, node_id: int) -> ArraySpec:
-        raise NotImplementedError
-
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         raise NotImplementedError
 
@@ -480,7 +477,7 @@ class IncrementalStrategy(FederatedStrategy):
         nodes = self.sample_nodes(rnd)
         self.before_round(task, nodes)
         contents = self.contents(nodes, rnd, training=True)
-        replies = self.exchange(grid, "train", contents, rnd, expect=self.upload_spec)
+        replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
         for reply in replies:
             self.recorder.log_client(rnd, reply.client, "train", reply.metrics, task=task)
         learned = [r for r in replies if r.num_examples > 0]
@@ -559,7 +556,7 @@ class PFedMxF(IncrementalStrategy):
         return OrderedDict((f"freq.{shape_key(shape)}.own", self.allocator.coords(allocation, shape).astype(np.int64))
                            for shape in sorted(set(self.modules.values())))
 
-    def upload_spec(self, node_id: int) -> ArraySpec:
+    def reply_spec(self, node_id: int) -> ArraySpec:
         n = self.n_frequency(node_id)
         return OrderedDict([*((f"{name}.coefficients", ((2, n), "float32")) for name in self.modules),
                             *self.head_spec.items()])
@@ -618,20 +615,15 @@ class FedAvgLoRA(IncrementalStrategy):
         arrays.update((k, self.global_arrays[k]) for k in self.lora_names)
         return arrays
 
-    def upload_spec(self, node_id: int) -> ArraySpec:
-        return self.spec
-
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         self.global_arrays.update(weighted_mean([{k: r.arrays[k] for k in self.lora_names} for r in replies],
                                                 [r.num_examples for r in replies]))
 
-    def merge_current(self) -> None:
+    def end_task(self, task: int) -> None:
+        """Merge B̄Ā into the frozen weights, then start the next task from a fresh LoRA."""
         for name in self.modules:
             self.merged[name] = self.merged[name] + lora_product(
                 self.global_arrays[f"{name}.lora_A"], self.global_arrays[f"{name}.lora_B"], self.scale)
-
-    def end_task(self, task: int) -> None:
-        self.merge_current()
         self.fresh_lora(task)
 
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
@@ -660,7 +652,7 @@ class FedStack(FedAvgLoRA):
             a, b = stack_lora([r.arrays[f"{name}.lora_A"] for r in replies],
                               [r.arrays[f"{name}.lora_B"] for r in replies], weights)
             self.merged[name] = self.merged[name] + lora_product(a, b, self.scale)
-        self.stats.extra["stacked_rank"] = sum(r.arrays[f"{self.lora_names[0]}"].shape[1] for r in replies)
+        self.stats.extra["stacked_rank"] = sum(r.arrays[self.lora_names[0]].shape[1] for r in replies)
         self.fresh_lora(1000 + rnd)
 
     def end_task(self, task: int) -> None:

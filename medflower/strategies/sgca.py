@@ -23,7 +23,6 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
 from ..models import lowest_adapter_names
-from ..training import train_epochs
 from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, stack_flat, \
     to_record, unflatten, validate_arrays
 
@@ -163,9 +162,7 @@ class SGCAClient(ClientHalf):
             rt.model.to(rt.device)
             anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in aggregate.items()}
             extra = cosine_pull(rt.model.trainable_parameters(), anchor, beta)
-        torch.manual_seed(rt.seed(2))
-        metrics = train_epochs(rt.model, rt.loader("train", shuffle=True), epochs=rt.cfg.local_epochs,
-                               optimizer=rt.optimizer(), device=rt.device, extra_loss=extra)
+        metrics = rt.train_local(extra)
         trained = rt.model.get_trainable()
         PersonalState(rt).save(rt.round, trained)
         metrics["num-examples"] = len(rt.data.train)
@@ -214,7 +211,7 @@ class SGCA(FederatedStrategy):
 
     evaluate_content = train_content
 
-    def reply_spec(self) -> ArraySpec:
+    def reply_spec(self, node_id: int) -> ArraySpec:
         return self.transmitted_spec
 
     def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
