@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .data import PARTITIONS, SOURCE_KINDS, DataSpec
+from .data import PARTITIONS, SOURCE_KINDS, DataSpec, describe_source
 from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS
 from .data.tasks import TASK_ORDERS
-from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec
+from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
+from .models.backbones import backbone_family
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,11 @@ CONTINUAL_STRATEGIES = ("fedkei",)  # strategies that walk a task stream instead
 # Class-incremental strategies (DESIGN 3.3) and the q/k adapter each one trains.
 INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstack": "lora-qk"}
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
+# Strategies that can train the whole backbone (adapter='full'); the others select adapters by name.
+FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift")
+# SiFT's ablations (DESIGN 3.4) and the head each one builds.
+SIFT_HEADS = {"full": "text", "single": "text", "trainable-head": "linear", "random-head": "random",
+              "trainable-proj": "text"}
 
 
 def _n_frequency_list(v: Any) -> str:
@@ -169,7 +175,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("backbone", "vit-tiny", "timm backbone alias or timm model name", _backbone_check, "model"),
     Option("backbone-weights", "auto", "none | auto (cached timm weights, else random + warning) | file path", _weights_check, "model"),
     Option("img-size", 32, "input resolution", positive, "model"),
-    Option("patch-size", 8, "ViT patch size; 0 = the backbone's own", non_negative, "model"),
+    Option("patch-size", 8, "ViT patch size; 0 = the backbone's own (other backbones ignore it)", non_negative, "model"),
     Option("adapter", "lora", "trainable adapter (pfedmxf trains fourier, fedavg-lora and fedstack lora-qk: q and k slices only)", one_of(*ADAPTERS), "model"),
     Option("lora-rank", 8, "LoRA rank r", positive, "model"),
     Option("lora-alpha", 16.0, "LoRA scaling alpha", positive, "model"),
@@ -179,6 +185,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("local-epochs", 1, "local epochs per round", positive, "train"),
     Option("batch-size", 32, "local batch size", positive, "train"),
     Option("lr", 3e-3, "learning rate", positive, "train"),
+    Option("lr-decay", 1.0, "learning rate factor per round: round r trains with lr * lr-decay^(r-1) (SiFT's baselines: 0.998)", unit_interval_open_left, "train"),
     Option("optimizer", "adamw", "local optimizer", one_of("adamw", "adam", "sgd"), "train"),
     Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
     Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
@@ -216,6 +223,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("fourier-scale", 150.0, "pfedmxf: scale of Re(IDFT2(S)) (peft FourierFT's scaling)", positive, "pfedmxf"),
     Option("conjugate-aware", True, "pfedmxf: allocate coordinates disjoint modulo (u,v) ~ (-u,-v), so updates are exactly orthogonal; false = the paper", None, "pfedmxf"),
     Option("frequency-sharing", "disjoint", "pfedmxf: disjoint = own coordinates per (site, task); shared = one block per task for all sites (the paper's ablation)", one_of("disjoint", "shared"), "pfedmxf"),
+    # --- SiFT
+    Option("sift-variant", "full", "sift: full, single (no long-term model), trainable-head (a linear head, no text), random-head (frozen random W), trainable-proj", one_of(*SIFT_HEADS), "sift"),
+    Option("sift-beta", 0.9, "sift: EMA factor of the long-term model, long = beta*long + (1-beta)*short", fraction_below_one, "sift"),
+    Option("sift-tau", 0.07, "sift: temperature of the cosine logits cos(w_c, P f(x)) / tau", positive, "sift"),
+    Option("sift-lr-first", 0.1, "sift: SGD learning rate in round 1", positive, "sift"),
+    Option("sift-lr", 0.01, "sift: SGD learning rate after round 1 (momentum and weight-decay from the run config)", positive, "sift"),
+    Option("sift-batch-size", 128, "sift: local batch size", positive, "sift"),
+    Option("class-embeddings", "", "sift: .npy/.safetensors file with one text-embedding row per class (wins over text-encoder)", None, "sift"),
+    Option("text-encoder", "", "sift: local transformers model folder (e.g. BioLinkBERT-large) that encodes class-texts; nothing is downloaded", None, "sift"),
+    Option("class-texts", "", "sift: one text per class, separated by ';' (empty = the class names)", None, "sift"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
@@ -283,6 +300,7 @@ class ExperimentConfig:
     local_epochs: int
     batch_size: int
     lr: float
+    lr_decay: float
     optimizer: str
     momentum: float
     weight_decay: float
@@ -315,6 +333,15 @@ class ExperimentConfig:
     fourier_scale: float
     conjugate_aware: bool
     frequency_sharing: str
+    sift_variant: str
+    sift_beta: float
+    sift_tau: float
+    sift_lr_first: float
+    sift_lr: float
+    sift_batch_size: int
+    class_embeddings: str
+    text_encoder: str
+    class_texts: str
     device: str
 
     @classmethod
@@ -361,6 +388,16 @@ class ExperimentConfig:
                            "and k projections; leave adapter unset")
             if self.task_order != "sync":
                 raise _bad("task-order", self.task_order, "class-incremental tasks share one class order (sync)")
+        if self.adapter == "full" and self.strategy not in FULL_MODEL_STRATEGIES:
+            raise _bad("adapter", "full", f"strategy {self.strategy!r} exchanges adapters; the whole backbone trains "
+                       f"only with {', '.join(FULL_MODEL_STRATEGIES)}")
+        if self.strategy == "sift" and self.model_task != "classification":
+            raise _bad("strategy", "sift", f"SiFT's text-guided head classifies; dataset {self.dataset!r} is "
+                       f"{self.model_task}")
+        if self.strategy == "sift" and self.head != "linear" and not (self.class_embeddings or self.text_encoder):
+            raise _bad("sift-variant", self.sift_variant, "the text-guided head needs class embeddings: set "
+                       "'class-embeddings' (a .npy/.safetensors file, one row per class) or 'text-encoder' (a local "
+                       "model folder); sift-variant='trainable-head' needs neither")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -379,6 +416,13 @@ class ExperimentConfig:
             raise _bad("dataset", self.dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
         elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
             raise _bad("dataset", self.dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
+        if self.strategy == "sift" and self.head != "linear":
+            if self.class_embeddings and not Path(self.class_embeddings).expanduser().is_file():
+                raise _bad("class-embeddings", self.class_embeddings,
+                           f"file {Path(self.class_embeddings).expanduser().resolve()} does not exist")
+            if not self.class_embeddings and not Path(self.text_encoder).expanduser().is_dir():
+                raise _bad("text-encoder", self.text_encoder,
+                           f"folder {Path(self.text_encoder).expanduser().resolve()} does not exist")
 
     @property
     def _masks_in_source(self) -> bool:
@@ -391,6 +435,23 @@ class ExperimentConfig:
             return self.task
         return "segmentation" if self._masks_in_source else "classification"
 
+    @property
+    def head(self) -> str:
+        """The classifier head the run builds: SiFT's variant decides, every other strategy has a linear head."""
+        return SIFT_HEADS[self.sift_variant] if self.strategy == "sift" else "linear"
+
+    def class_text_list(self, class_names: list[str]) -> tuple[str, ...]:
+        """``class-texts`` split on ';', else the class names: what a text encoder embeds, one per class."""
+        texts = tuple(t.strip() for t in self.class_texts.split(";") if t.strip())
+        return texts or tuple(class_names)
+
+    def server_class_names(self, num_classes: int) -> list[str]:
+        """The class names as the server sees them: with dataset='site' they live on the sites only, so
+        indices stand in for them."""
+        if self.dataset == "site":
+            return [str(i) for i in range(num_classes)]
+        return describe_source(self.data_spec())[1]
+
     # ----- views for the layers
     def data_spec(self, **overrides: Any) -> DataSpec:
         fields = dict(
@@ -402,13 +463,22 @@ class ExperimentConfig:
         )
         return DataSpec(**{**fields, **overrides})
 
-    def model_spec(self) -> ModelSpec:
+    def model_spec(self, class_names: list[str] | None = None) -> ModelSpec:
+        """The run's ModelSpec; a cosine head encoding texts needs the class names (``class-texts`` unset)."""
         targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())
+        head: dict[str, Any] = {}
+        if self.head != "linear":
+            head = dict(head=self.head, class_embeddings=self.class_embeddings, head_tau=self.sift_tau,
+                        text_encoder="" if self.class_embeddings else self.text_encoder,
+                        class_texts=() if self.class_embeddings else self.class_text_list(class_names or []),
+                        train_projector=self.sift_variant == "trainable-proj")
         return ModelSpec(
             backbone=self.backbone, adapter=INCREMENTAL_ADAPTERS.get(self.strategy, self.adapter),
-            n_frequency=self.n_frequency, fourier_scale=self.fourier_scale, img_size=self.img_size, patch_size=self.patch_size,
+            n_frequency=self.n_frequency, fourier_scale=self.fourier_scale, img_size=self.img_size,
+            patch_size=self.patch_size if backbone_family(resolve_backbone(self.backbone)) == "vit" else 0,
             weights=self.backbone_weights, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
             adapter_targets=targets, bottleneck_ratio=self.bottleneck_ratio, seed=self.seed, task=self.model_task,
+            **head,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,9 @@ File layout::
     seeds: [0, 1, 2]
     metrics: [auc, accuracy]       # columns of the table (default auc, accuracy, balanced_accuracy)
     per-client: false              # true: also one table per metric with every site's value
+    targets:                       # optional: rounds until the mean over sites first reaches each value
+      metric: balanced_accuracy
+      values: [0.55, 0.65, 0.75]
     base: {num-rounds: 5}          # run-config shared by every run
     runs:
       - {name: fedavg, strategy: fedavg}
@@ -57,6 +60,12 @@ def load_plan(path: Path) -> dict[str, Any]:
     plan.setdefault("metrics", list(DEFAULT_METRICS))
     plan.setdefault("base", {})
     plan.setdefault("per-client", False)
+    targets = plan.get("targets")
+    if targets is not None and not (isinstance(targets, dict) and isinstance(targets.get("metric"), str)
+                                    and isinstance(targets.get("values"), list)
+                                    and all(isinstance(v, (int, float)) for v in targets["values"])):
+        raise ExperimentFileError(f"{path}: 'targets' needs a metric name and a list of values, e.g. "
+                                  "{metric: balanced_accuracy, values: [0.55, 0.65, 0.75]}")
     names = set()
     for i, run in enumerate(plan["runs"]):
         if not isinstance(run, dict) or "name" not in run:
@@ -137,9 +146,12 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 finals[metric].append(summary["final"].get(metric))
                 for client, values in summary["per_client"].items():
                     clients[metric][client].append(values.get(metric))
+            if plan.get("targets"):
+                for target, reached in rounds_to_targets(plan, run_evals(plan, out_dir, run, seed)).items():
+                    finals[f"rounds_to_{target}"].append(reached)
             rounds = max(summary["rounds"], 1)
             finals["bytes_per_round"].append((summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds)
-        table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v))) for m, v in finals.items()}
+        table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v)), values=v) for m, v in finals.items()}
         per_client[run["name"]] = {m: {c: _mean_std(v)[0] for c, v in sorted(by.items())} for m, by in clients.items()}
     result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table,
               "per_client": per_client}
@@ -152,17 +164,44 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return result
 
 
+def rounds_to_targets(plan: dict[str, Any], evals: list[dict[str, Any]]) -> dict[str, int | None]:
+    """For each target value: the first round whose mean over sites of the target metric reaches it (None: never)."""
+    metric = plan["targets"]["metric"]
+    by_round: dict[int, list[float]] = defaultdict(list)
+    for record in evals:
+        if record.get(metric) is not None:
+            by_round[int(record["round"])].append(float(record[metric]))
+    means = [(rnd, statistics.fmean(values)) for rnd, values in sorted(by_round.items())]
+    return {str(target): next((rnd for rnd, mean in means if mean >= float(target)), None)
+            for target in plan["targets"]["values"]}
+
+
+def _rounds_cell(values: list[int | None]) -> str:
+    """Mean rounds over the seeds that reached the target, and how many did when not all."""
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return "not reached"
+    text = f"{statistics.fmean(reached):.1f}"
+    return text if len(reached) == len(values) else f"{text} ({len(reached)}/{len(values)} seeds)"
+
+
 def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     metrics = list(plan["metrics"])
     seeds = plan["seeds"]
-    head = "| run | " + " | ".join(metrics) + " | MB per round |"
+    targets = [str(t) for t in plan["targets"]["values"]] if plan.get("targets") else []
+    target_heads = [f"rounds to {float(t):.0%}" for t in targets]
+    head = "| run | " + " | ".join(metrics + target_heads) + " | MB per round |"
     lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics; "
-             f"{plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + 1)]
+             f"{plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + len(targets) + 1)]
+    if targets:
+        lines[0] += (f" Rounds to x%: the first round whose mean over sites of {plan['targets']['metric']} "
+                     f"reaches x, averaged over the seeds that reach it.")
     for name, row in table.items():
         cells = []
         for metric in metrics:
             m, s = row[metric]["mean"], row[metric]["std"]
             cells.append("–" if m is None else f"{m:.3f} ± {s:.3f}")
+        cells += [_rounds_cell(row[f"rounds_to_{t}"]["values"]) for t in targets]
         mb = row["bytes_per_round"]["mean"]
         cells.append("–" if mb is None else f"{mb / 1e6:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

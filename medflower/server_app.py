@@ -44,7 +44,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     recorder = RunRecorder(run_dir)
     method = STRATEGIES[cfg.strategy]
-    initial = build_model(cfg.model_spec(), method.model_classes(num_classes)).get_trainable()
+    model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
+    initial = build_model(model_spec, method.model_classes(num_classes)).get_trainable()
     strategy = method(cfg, recorder, initial, num_classes)
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
@@ -52,7 +53,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())
     log(INFO, "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
-        cfg.strategy, cfg.dataset, cfg.backbone, cfg.model_spec().adapter, size, len(initial), num_classes, run_dir.resolve())
+        cfg.strategy, cfg.dataset, cfg.backbone, model_spec.adapter, size, len(initial), num_classes, run_dir.resolve())
     elapsed_before = strategy.elapsed_s
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)

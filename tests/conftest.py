@@ -27,3 +27,20 @@ def tiny(tmp_path):
         return {**TINY, "output-dir": str(tmp_path / "outputs"), **overrides}
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    """A 1-layer BERT with a 10-word vocabulary saved as a local transformers folder (nothing downloaded)."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "pneumonia", "lung", "opacity", "chest"]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)
+    BertModel(config).save_pretrained(str(folder))
+    return folder

@@ -12,6 +12,7 @@ from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
+from medflower.models import build_model
 from medflower.strategies import drift
 from medflower.strategies.base import from_record
 
@@ -108,3 +109,53 @@ def test_scaffold_refuses_adaptive_optimizers():
     with pytest.raises(ConfigError, match="optimizer='sgd' momentum=0"):
         ExperimentConfig.from_run_config({**defaults(), "strategy": "scaffold"})
     ExperimentConfig.from_run_config({**defaults(), "strategy": "scaffold", "optimizer": "sgd", "momentum": 0.0})
+
+
+FULL_RESNET = {"backbone": "resnet18", "adapter": "full"}
+
+
+def test_a_fully_trained_backbone_sends_batchnorm_statistics_that_never_leak_between_sites():
+    cfg = ExperimentConfig.from_run_config({**defaults(), **FULL_RESNET, "img-size": 16, "backbone-weights": "none"})
+    model = build_model(cfg.model_spec(), 3)
+    names = model.trainable_names()
+    assert "backbone.conv1.weight" in names and "backbone.bn1.running_mean" in names and "head.weight" in names
+    assert not any(n.endswith("num_batches_tracked") for n in names)
+    site_a = model.get_trainable()
+    model.train()
+    model(torch.randn(8, 3, 16, 16) * 3 + 1)  # a forward pass in train mode moves the statistics
+    site_b = model.get_trainable()
+    assert not np.allclose(site_a["backbone.bn1.running_mean"], site_b["backbone.bn1.running_mean"])
+    model.set_trainable(site_a)  # what every message does before training: no statistic of site b survives
+    for name, value in model.get_trainable().items():
+        np.testing.assert_array_equal(value, site_a[name])
+
+
+def test_drift_corrections_leave_batchnorm_statistics_to_a_plain_mean(tiny, monkeypatch):
+    captured = capture(monkeypatch, drift.FedDyn)
+    config = tiny(**{**FULL_RESNET, "strategy": "feddyn", "run-name": "dyn-full", "num-rounds": 2})
+    run_inprocess(config, num_nodes=2)
+    replies, _ = captured[1]
+    statistic = "backbone.layer1.0.bn1.running_var"
+    np.testing.assert_allclose(captured[2][1][statistic], np.mean([r.arrays[statistic] for r in replies], axis=0),
+                               rtol=1e-6)
+    scaffold = capture(monkeypatch, drift.Scaffold)
+    run_inprocess(tiny(**{**FULL_RESNET, **SGD, "strategy": "scaffold", "run-name": "scaffold-full", "num-rounds": 1}),
+                  num_nodes=2)
+    arrays = scaffold[1][0][0].arrays
+    assert drift.CONTROL + "backbone.conv1.weight" in arrays and statistic in arrays
+    assert not any(k.startswith(drift.CONTROL) and k.endswith(("running_mean", "running_var")) for k in arrays)
+
+
+def test_lr_decay_scales_each_rounds_learning_rate(tiny, monkeypatch):
+    from medflower.strategies import base
+
+    seen = []
+    original = base.train_epochs
+
+    def spy(*args, optimizer, **kwargs):
+        seen.append(optimizer.lr)
+        return original(*args, optimizer=optimizer, **kwargs)
+
+    monkeypatch.setattr(base, "train_epochs", spy)
+    run_inprocess(tiny(**{"strategy": "fedavg", "run-name": "decay", "lr": 0.01, "lr-decay": 0.5}), num_nodes=2)
+    np.testing.assert_allclose(seen, [0.01, 0.01, 0.005, 0.005, 0.0025, 0.0025])

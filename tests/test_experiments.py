@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from medflower.experiments import ExperimentFileError, load_plan, main
+from medflower.experiments import ExperimentFileError, load_plan, main, rounds_to_targets
 
 TINY_BASE = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
              "num-rounds": 2, "partition": "iid"}
@@ -25,13 +25,15 @@ def test_bad_files_name_the_run_and_key(tmp_path):
     bad = {"runs": [{"name": "good", "strategy": "fedavg"}, {"name": "typo", "strategy": "fedavgg"}]}
     with pytest.raises(ExperimentFileError, match="run 'typo': run-config 'strategy' = 'fedavgg'"):
         load_plan(write_yaml(tmp_path / "b.yaml", bad))
+    with pytest.raises(ExperimentFileError, match="'targets' needs a metric name"):
+        load_plan(write_yaml(tmp_path / "d.yaml", {"targets": [0.5], "runs": [{"name": "a"}]}))
     with pytest.raises(ExperimentFileError, match="appears twice"):
         load_plan(write_yaml(tmp_path / "c.yaml", {"runs": [{"name": "a"}, {"name": "a"}]}))
 
 
 def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     plan = {"name": "mini", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["auc", "accuracy"], "per-client": True,
-            "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
+            "targets": {"metric": "auc", "values": [0.0, 1.01]}, "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
     path = write_yaml(tmp_path / "mini.yaml", plan)
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
     out = tmp_path / "out" / "mini"
@@ -45,6 +47,9 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     assert result["table"]["local"]["bytes_per_round"]["mean"] == 0
     table = (out / "comparison.md").read_text()
     assert "| fedavg |" in table and "±" in table
+    assert result["table"]["fedavg"]["rounds_to_0.0"]["values"] == [1, 1]  # every round's mean reaches 0
+    assert result["table"]["fedavg"]["rounds_to_1.01"]["values"] == [None, None]
+    assert "rounds to 0% | rounds to 101% |" in table and "| 1.0 | not reached |" in table
     # per-client tables: one per metric, each site's value averaged over seeds
     site_auc = [json.loads((out / f"local-seed{s}" / "summary.json").read_text())["per_client"]["site-1"]["auc"]
                 for s in (0, 1)]
@@ -52,3 +57,11 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     assert "auc per site" in table and "| run | site-0 | site-1 | mean |" in table
     assert (out / "curves.png").stat().st_size > 1000
     assert "comparison.md" in capsys.readouterr().out
+
+
+def test_rounds_to_a_target_use_the_mean_over_sites_of_each_round():
+    evals = [{"round": 1, "client": "a", "m": 0.5}, {"round": 1, "client": "b", "m": 0.7},
+             {"round": 2, "client": "a", "m": 0.6}, {"round": 2, "client": "b", "m": 0.8},
+             {"round": 3, "client": "a", "m": 0.9}, {"round": 3, "client": "b", "m": 0.5}]
+    plan = {"targets": {"metric": "m", "values": [0.6, 0.7, 0.75]}}
+    assert rounds_to_targets(plan, evals) == {"0.6": 1, "0.7": 2, "0.75": None}

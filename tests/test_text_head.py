@@ -11,21 +11,6 @@ from medflower.models import ModelError
 from medflower.models.text_head import CosineHead, encode_class_texts, load_class_embeddings, random_projector
 
 
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    from transformers import BertConfig, BertModel, BertTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "normal", "pneumonia", "lung", "opacity", "chest"]
-    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
-    BertModel(config).save_pretrained(str(folder))
-    return folder
-
-
 def test_a_local_text_encoder_gives_one_cls_row_per_class(tiny_bert):
     from transformers import AutoModel, AutoTokenizer
 

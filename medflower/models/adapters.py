@@ -12,7 +12,8 @@ from torch import nn
 from .errors import ModelError
 from .qk_delta import QK_ADAPTERS, add_qk_adapters
 
-ADAPTERS = ("lora", "ia3", "bottleneck", *QK_ADAPTERS, "none")
+# "full": no adapter, the whole backbone trains (SiFT and its baselines); "none": only the head trains.
+ADAPTERS = ("lora", "ia3", "bottleneck", *QK_ADAPTERS, "full", "none")
 
 # Module-name suffixes targeted by default (timm ViT/Swin fuse q,k,v into one `qkv` Linear).
 _TRANSFORMER_TARGETS = {"lora": ("qkv",), "ia3": ("qkv", "fc2")}
@@ -25,7 +26,7 @@ def inject_adapter(backbone: nn.Module, adapter: str, family: str, *, targets: S
                    bottleneck_ratio: float = 0.25, n_frequency: int = 3000, fourier_scale: float = 150.0,
                    backbone_name: str = "") -> None:
     """Add ``adapter`` to ``backbone`` in place (parameters of the new modules are new nn.Parameters)."""
-    if adapter == "none":
+    if adapter in ("none", "full"):
         return
     if adapter in QK_ADAPTERS:
         add_qk_adapters(backbone, adapter, n_frequency=n_frequency, fourier_scale=fourier_scale,

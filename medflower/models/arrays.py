@@ -14,6 +14,17 @@ from .errors import ModelError
 PEFT_ADAPTER_NAME = "default"
 
 
+# BatchNorm buffers that travel with a fully trained backbone (num_batches_tracked does not: with the default
+# momentum it is never read).
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def is_running_statistic(name: str) -> bool:
+    """True for an exchanged BatchNorm statistic: averaged like any array, but it has no gradient (so drift
+    corrections and proximal terms leave it out)."""
+    return name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+
+
 def clean_param_name(name: str) -> str:
     """Drop peft's adapter-name component: ``qkv.lora_A.default.weight`` -> ``qkv.lora_A.weight``."""
     return ".".join(part for part in name.split(".") if part != PEFT_ADAPTER_NAME)

@@ -9,6 +9,9 @@ from .backbones import WEIGHT_MODES, resolve_backbone
 from .errors import ModelError
 
 TASKS = ("classification", "segmentation")
+# linear: a trainable nn.Linear. text / random: SiFT's cosine head cos(w_c, P·f)/τ with class embeddings W from a
+# text source (text) or random with the same shape (random: the paper's 'Random' ablation), P a seeded projector.
+HEADS = ("linear", "text", "random")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,12 @@ class ModelSpec:
     fourier_scale: float = 150.0    # fourier: ΔW = Re(IDFT2(S)) * scale (peft FourierFT's default scaling)
     seed: int = 0                   # seeds backbone, adapter and head init: same spec -> identical model
     task: str = "classification"    # classification (linear head) | segmentation (light decoder)
+    head: str = "linear"            # linear | text | random (HEADS); the cosine heads need a class-embedding source:
+    class_embeddings: str = ""      # .npy/.safetensors file [classes, dim], or
+    text_encoder: str = ""          # a local transformers model folder encoding ``class_texts`` (one per class)
+    class_texts: tuple[str, ...] = ()
+    head_tau: float = 0.07          # cosine heads: logits = cos / tau
+    train_projector: bool = False   # cosine heads: P trains (SiFT's 'TrainableProj' ablation)
 
     def __post_init__(self) -> None:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
@@ -41,6 +50,9 @@ class ModelSpec:
             raise ModelError(f"weights must be one of {list(WEIGHT_MODES)} or a path to a local weights file, "
                              f"got {self.weights!r}")
         _check(self.task in TASKS, "task", self.task, f"one of {list(TASKS)}")
+        _check(self.head in HEADS, "head", self.head, f"one of {list(HEADS)}")
+        _check(self.head_tau > 0, "head_tau", self.head_tau, "> 0")
+        object.__setattr__(self, "class_texts", tuple(self.class_texts))
         _check(self.img_size >= 1, "img_size", self.img_size, "an integer >= 1")
         _check(self.patch_size >= 0, "patch_size", self.patch_size, "0 (backbone default) or an integer >= 1")
         _check(self.lora_rank >= 1, "lora_rank", self.lora_rank, "an integer >= 1")

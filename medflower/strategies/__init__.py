@@ -8,8 +8,9 @@ from .fedavg import FedAvg, FedProx, Local
 from .fedkei import FedKEI
 from .pfedmxf import FedAvgLoRA, FedStack, PFedMxF
 from .sgca import LAT, SGCA
+from .sift import SiFT
 
 STRATEGIES: dict[str, type[FederatedStrategy]] = {
-    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack)}
+    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack, SiFT)}
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

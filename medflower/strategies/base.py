@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from safetensors.numpy import load_file, save_file
 
 from ..config import ExperimentConfig
-from ..data import ClientData, DataError, describe_source, load_client_data, make_loader, site_data_spec
+from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
 from ..data.tasks import parse_task_classes
 from ..models import AdaptedModel, build_model
 from ..results import RunRecorder
@@ -361,11 +361,8 @@ class FederatedStrategy:
             time.sleep(1.0)
 
     def task_class_order(self) -> list[int]:
-        """The run's class order (``task-classes``) as the server sees it: with dataset='site' the class names
-        live on the sites only, so indices stand in for them."""
-        if self.cfg.dataset == "site":
-            return parse_task_classes(self.cfg.task_classes, [str(i) for i in range(self.num_classes)])
-        return parse_task_classes(self.cfg.task_classes, describe_source(self.cfg.data_spec())[1])
+        """The run's class order (``task-classes``) as the server sees it."""
+        return parse_task_classes(self.cfg.task_classes, self.cfg.server_class_names(self.num_classes))
 
     def total_rounds(self) -> int:
         """Iterations of ``run``: num-rounds (FedKEI: the number of tasks)."""
@@ -495,7 +492,8 @@ class ClientRuntime:
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
         num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
-        return _cached_model(dataclasses.replace(self.cfg.model_spec(), **self.model_overrides), num_classes)
+        spec = self.cfg.model_spec(self.data.class_names)
+        return _cached_model(dataclasses.replace(spec, **self.model_overrides), num_classes)
 
     @property
     def model(self) -> AdaptedModel:
@@ -518,17 +516,21 @@ class ClientRuntime:
     def seed(self, purpose: int = 0) -> int:
         return derive_seed(self.cfg.seed, self.round, self.partition_id, purpose)
 
-    def loader(self, split: str, shuffle: bool = False) -> torch.utils.data.DataLoader:
-        return make_loader(getattr(self.data, split), self.cfg.batch_size, shuffle, self.seed(1))
+    def loader(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> torch.utils.data.DataLoader:
+        return make_loader(getattr(self.data, split), batch_size or self.cfg.batch_size, shuffle, self.seed(1))
 
     def optimizer(self) -> OptimizerSpec:
-        return OptimizerSpec(self.cfg.optimizer, self.cfg.lr, self.cfg.momentum, self.cfg.weight_decay)
+        """The run's optimizer at this round's learning rate, lr * lr-decay^(round-1)."""
+        lr = self.cfg.lr * self.cfg.lr_decay ** max(self.round - 1, 0)
+        return OptimizerSpec(self.cfg.optimizer, lr, self.cfg.momentum, self.cfg.weight_decay)
 
-    def train_local(self, extra_loss=None) -> dict[str, float]:
+    def train_local(self, extra_loss=None, optimizer: OptimizerSpec | None = None,
+                    batch_size: int | None = None) -> dict[str, float]:
         """``local-epochs`` of the site's training split on the current model (seeded per site and round)."""
         torch.manual_seed(self.seed(2))
-        return train_epochs(self.model, self.loader("train", shuffle=True), epochs=self.cfg.local_epochs,
-                            optimizer=self.optimizer(), device=self.device, extra_loss=extra_loss)
+        return train_epochs(self.model, self.loader("train", shuffle=True, batch_size=batch_size),
+                            epochs=self.cfg.local_epochs, optimizer=optimizer or self.optimizer(), device=self.device,
+                            extra_loss=extra_loss)
 
     def evaluate_splits(self, splits: Iterable[str] = ("val", "test")) -> dict[str, float]:
         """Metrics of the current model: test metrics unprefixed, others as '<split>_<metric>'."""

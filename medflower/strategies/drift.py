@@ -14,8 +14,12 @@ papers' uniform means over the participating sites, not size weights.
   Then h_i ← h_i − α(θ_i − θ^{t−1}). The server does h ← h − (α/N)·Σ_{i∈S}(θ_i − θ^{t−1}) and
   θ^t = mean(θ_i) − h/α.
 
-What leaves a site: SCAFFOLD sends its model change Δy and control change Δc (twice the trainable
-arrays); FedDyn sends its trainable arrays. Both also send n_k.
+With a fully trained backbone (``adapter='full'``) the BatchNorm running statistics travel too. They have no
+gradient, so neither correction touches them: SCAFFOLD keeps no control variate for them (x ← x + η_g·mean(Δy)
+still moves them), FedDyn keeps no h for them and the server takes their plain mean.
+
+What leaves a site: SCAFFOLD sends its model change Δy (every exchanged array) and control change Δc (the
+parameters); FedDyn sends its exchanged arrays. Both also send n_k.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
+from ..models.arrays import is_running_statistic
 from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record, \
     weighted_mean
 from .fedavg import proximal_term
@@ -62,7 +67,8 @@ def _tensors(arrays: Mapping[str, np.ndarray], device) -> dict[str, torch.Tensor
 
 
 def _zeros_like(arrays: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
-    return OrderedDict((k, np.zeros_like(v)) for k, v in arrays.items())
+    """Zero state for the arrays that have a gradient (running statistics have none)."""
+    return OrderedDict((k, np.zeros_like(v)) for k, v in arrays.items() if not is_running_statistic(k))
 
 
 def _mean(arrays: list[Mapping[str, np.ndarray]]) -> "OrderedDict[str, np.ndarray]":
@@ -83,14 +89,15 @@ class ScaffoldClient(ClientHalf):
         c_i = state.load(before=rt.round) or _zeros_like(x)
         rt.model.set_trainable(x)
         rt.model.to(rt.device)
-        correction = _tensors({k: c[k] - c_i[k] for k in x}, rt.device)
-        metrics = rt.train_local(linear_term(rt.model, correction))
+        correction = _tensors({k: c[k] - c_i[k] for k in c}, rt.device)
+        optimizer = rt.optimizer()
+        metrics = rt.train_local(linear_term(rt.model, correction), optimizer=optimizer)
         y = rt.model.get_trainable()
-        steps_lr = metrics["train_steps"] * rt.cfg.lr
-        c_new = OrderedDict((k, (c_i[k] - c[k] + (x[k] - y[k]) / steps_lr).astype(np.float32)) for k in x)
+        steps_lr = metrics["train_steps"] * optimizer.lr
+        c_new = OrderedDict((k, (c_i[k] - c[k] + (x[k] - y[k]) / steps_lr).astype(np.float32)) for k in c)
         state.save(rt.round, c_new)
         arrays = OrderedDict((k, y[k] - x[k]) for k in x)
-        arrays.update((CONTROL + k, c_new[k] - c_i[k]) for k in x)
+        arrays.update((CONTROL + k, c_new[k] - c_i[k]) for k in c)
         metrics["num-examples"] = len(rt.data.train)
         return self.reply(arrays=arrays, metrics=metrics)
 
@@ -109,7 +116,7 @@ class Scaffold(FederatedStrategy):
         self.control = _zeros_like(self.global_arrays)
 
     def reply_spec(self, node_id: int) -> ArraySpec:
-        return OrderedDict([*self.spec.items(), *((CONTROL + k, v) for k, v in self.spec.items())])
+        return OrderedDict([*self.spec.items(), *((CONTROL + k, self.spec[k]) for k in self.control)])
 
     def train_content(self, rnd: int, node_id: int) -> RecordDict:
         arrays = OrderedDict(self.global_arrays)
@@ -118,10 +125,11 @@ class Scaffold(FederatedStrategy):
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
         delta_y = _mean([{k: r.arrays[k] for k in self.spec} for r in replies])
-        delta_c = _mean([{k: r.arrays[CONTROL + k] for k in self.spec} for r in replies])
+        delta_c = _mean([{k: r.arrays[CONTROL + k] for k in self.control} for r in replies])
         share = len(replies) / max(len(self.nodes), 1)
         for k in self.spec:
             self.global_arrays[k] = (self.global_arrays[k] + self.cfg.scaffold_global_lr * delta_y[k]).astype(np.float32)
+        for k in self.control:
             self.control[k] = (self.control[k] + share * delta_c[k]).astype(np.float32)
 
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
@@ -129,7 +137,7 @@ class Scaffold(FederatedStrategy):
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
         super().load_state({k: v for k, v in arrays.items() if not k.startswith(CONTROL)}, meta)
-        self.control = OrderedDict((k, np.array(arrays[CONTROL + k])) for k in self.spec)
+        self.control = OrderedDict((k, np.array(arrays[CONTROL + k])) for k in self.control)
 
 
 # ----------------------------------------------------------------------------- FedDyn
@@ -168,7 +176,8 @@ class FedDyn(FederatedStrategy):
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
         alpha, total = self.cfg.feddyn_alpha, max(len(self.nodes), 1)
         mean = _mean([r.arrays for r in replies])
-        for k in self.spec:
+        self.global_arrays.update((k, mean[k]) for k in self.spec if k not in self.h)  # running statistics
+        for k in self.h:
             drift = sum(r.arrays[k].astype(np.float64) - self.global_arrays[k] for r in replies)
             self.h[k] = (self.h[k] - alpha / total * drift).astype(np.float32)
             self.global_arrays[k] = (mean[k] - self.h[k] / alpha).astype(np.float32)
@@ -178,4 +187,4 @@ class FedDyn(FederatedStrategy):
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
         super().load_state({k: v for k, v in arrays.items() if not k.startswith(DYN_H)}, meta)
-        self.h = OrderedDict((k, np.array(arrays[DYN_H + k])) for k in self.spec)
+        self.h = OrderedDict((k, np.array(arrays[DYN_H + k])) for k in self.h)

@@ -285,7 +285,8 @@ class IncrementalClient(ClientHalf):
             params = model.trainable_parameters()
             heads = [p for n, p in params.items() if n in HEAD]
             adapters = [p for n, p in params.items() if n not in HEAD]
-            groups = [{"params": adapters, "lr": cfg.lr}, {"params": heads, "lr": cfg.head_lr or cfg.lr}]
+            lr = rt.optimizer().lr  # lr-decay applies to both groups
+            groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": (cfg.head_lr or cfg.lr) * lr / cfg.lr}]
             masked = MaskedLogits(model, logit_mask(cfg.classifier, cfg.classes_per_task, self.task,
                                                     model.head.out_features))
             torch.manual_seed(rt.seed(2))
