@@ -93,6 +93,9 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     weights = out.get("backbone-weights")
     if isinstance(weights, str) and weights not in ("none", "auto"):
         out["backbone-weights"] = str(Path(weights).expanduser().resolve())
+    for key in ("class-embeddings", "text-encoder"):
+        if out.get(key):
+            out[key] = str(Path(out[key]).expanduser().resolve())
     return out
 
 

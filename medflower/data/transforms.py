@@ -79,11 +79,16 @@ def target_img_size(dataset: Dataset) -> int | None:
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
-    """Single-process DataLoader; the same ``seed`` gives the same batch order."""
+    """Single-process DataLoader; the same ``seed`` gives the same batch order.
+
+    A shuffled (training) loader drops a last batch of one sample: BatchNorm in train mode cannot normalise a
+    single 1x1 feature map (ResNets at small inputs), and one shuffled sample per epoch is no loss.
+    """
     return DataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=shuffle,
+        drop_last=shuffle and len(dataset) % batch_size == 1,
         generator=torch.Generator().manual_seed(seed),
         num_workers=0,
         collate_fn=BatchTransform(target_img_size(dataset)),

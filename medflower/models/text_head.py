@@ -72,11 +72,11 @@ def random_projector(seed: int, out_dim: int, in_dim: int) -> torch.Tensor:
 class CosineHead(nn.Module):
     """``logits_c = cos(w_c, P·f) / τ`` with class embeddings W [C, D] and projector P [D, d].
 
-    W and P are frozen buffers unless ``train_embeddings`` / ``train_projector`` (SiFT's ablations).
+    W is a frozen buffer; P too, unless ``train_projector`` (SiFT's 'trainable-proj' ablation).
     """
 
     def __init__(self, embeddings: np.ndarray | torch.Tensor, projector: torch.Tensor, tau: float = 0.07,
-                 train_embeddings: bool = False, train_projector: bool = False):
+                 train_projector: bool = False):
         super().__init__()
         weight = torch.as_tensor(np.asarray(embeddings), dtype=torch.float32)
         if weight.shape[1] != projector.shape[0]:
@@ -85,11 +85,11 @@ class CosineHead(nn.Module):
         self.tau = tau
         self.in_features = projector.shape[1]
         self.out_features = weight.shape[0]
-        for name, value, trainable in (("weight", weight, train_embeddings), ("projector", projector, train_projector)):
-            if trainable:
-                setattr(self, name, nn.Parameter(value.clone()))
-            else:
-                self.register_buffer(name, value.clone())
+        self.register_buffer("weight", weight.clone())
+        if train_projector:
+            self.projector = nn.Parameter(projector.clone())
+        else:
+            self.register_buffer("projector", projector.clone())
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         projected = nn.functional.normalize(features @ self.projector.T, dim=-1)
