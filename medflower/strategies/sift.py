@@ -153,8 +153,7 @@ class SiFT(FederatedStrategy):
             self.stats.failed.append(f"{client}: not connected")
         else:
             client = self.client_name(node_id)
-            content = RecordDict({"arrays": to_record(self.global_arrays),
-                                  "config": self.base_config(rnd, position=position)})
+            content = RecordDict({"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
             replies = self.exchange(grid, "train", {node_id: content}, rnd, expect=self.spec)
             if replies:
                 self.global_arrays = replies[0].arrays
