@@ -127,8 +127,12 @@ CONTINUAL_STRATEGIES = ("fedkei",)  # strategies that walk a task stream instead
 # Class-incremental strategies (DESIGN 3.3) and the q/k adapter each one trains.
 INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstack": "lora-qk"}
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
+# Sub-model strategies (DESIGN 3.5): a width-reduced encoder per site; only the encoder is shared, so sites
+# may hold different tasks (site-datasets).
+SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop")
+FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
 # Strategies that can train the whole backbone (adapter='full'); the others select adapters by name.
-FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift")
+FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift", *SUBMODEL_STRATEGIES)
 # SiFT's ablations (DESIGN 3.4) and the head each one builds.
 SIFT_HEADS = {"full": "text", "single": "text", "trainable-head": "linear", "random-head": "random",
               "trainable-proj": "text"}
@@ -140,6 +144,28 @@ def _n_frequency_list(v: Any) -> str:
     for part in filter(None, (p.strip() for p in text.split(","))):
         if not part.isdigit() or int(part) < 1:
             raise ValueError("must be empty or comma-separated integers >= 1, one per partition id")
+    return text
+
+
+def _site_datasets(v: Any) -> str:
+    """'' or comma-separated datasets, one per partition id, each a valid ``dataset`` value."""
+    text = str(v).strip()
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        if (why := _dataset_check(entry)) or entry == "site":
+            raise ValueError(f"entry {entry!r}: {why or 'site data comes from node-config data-path'}")
+    return text
+
+
+def _capacities(v: Any) -> str:
+    """'' or comma-separated capacities in (0, 1], one per partition id."""
+    text = str(v).strip()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"entry {part!r} is not a number") from None
+        if not 0 < value <= 1:
+            raise ValueError(f"entry {part!r} must be in (0, 1] (the share of FFN neurons a site keeps)")
     return text
 
 
@@ -170,6 +196,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("test-fraction", 0.2, "per-client test share (seeded, stratified)", fraction_below_one, "data"),
     Option("use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"),
     Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
+    Option("site-datasets", "", "dataset per partition id, comma-separated (e.g. 'synthetic-seg,synthetic-seg,synthetic'); sites with the same entry split it; empty = dataset for all. Mixing segmentation and classification needs a sub-model strategy", None, "data", _site_datasets),
     Option("num-classes", 0, "classes of the head (segmentation: foreground classes); 0 = read from the data source", non_negative, "data"),
     # --- model
     Option("backbone", "vit-tiny", "timm backbone alias or timm model name", _backbone_check, "model"),
@@ -233,6 +260,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("class-embeddings", "", "sift: .npy/.safetensors file with one text-embedding row per class (wins over text-encoder)", None, "sift"),
     Option("text-encoder", "", "sift: local transformers model folder (e.g. BioLinkBERT-large) that encodes class-texts; nothing is downloaded", None, "sift"),
     Option("class-texts", "", "sift: one text per class, separated by ';' (empty = the class names)", None, "sift"),
+    # --- FedBKD and the sub-model baselines
+    Option("fedbkd-capacities", "", "fedbkd/heterofl/fedrolex/feddrop: share of FFN neurons each site keeps, by partition id, e.g. '0.5,0.25,0.125'; empty = 1 (a node-config capacity wins)", None, "fedbkd", _capacities),
+    Option("fedbkd-lambda", 1.0, "fedbkd: weight of the alignment loss lambda*(1 - CKA(sub-encoder, global encoder))", non_negative, "fedbkd"),
+    Option("fedbkd-eigen", "trace", "fedbkd: mu_k of the merge weights, from the covariance of the site's features", one_of("trace", "top"), "fedbkd"),
+    Option("fedbkd-variant", "full", "fedbkd: full, ase-only (saliency sub-models, no CKA, n_k weights), fco-only (prefix sub-models with CKA and eigenvalue weights)", one_of(*FEDBKD_VARIANTS), "fedbkd"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 OPTION_BY_KEY = {o.key: o for o in OPTIONS}
@@ -286,6 +318,7 @@ class ExperimentConfig:
     test_fraction: float
     use_source_splits: bool
     synthetic_size: int
+    site_datasets: str
     task: str
     num_classes: int
     backbone: str
@@ -342,6 +375,10 @@ class ExperimentConfig:
     class_embeddings: str
     text_encoder: str
     class_texts: str
+    fedbkd_capacities: str
+    fedbkd_lambda: float
+    fedbkd_eigen: str
+    fedbkd_variant: str
     device: str
 
     @classmethod
@@ -388,6 +425,9 @@ class ExperimentConfig:
                            "and k projections; leave adapter unset")
             if self.task_order != "sync":
                 raise _bad("task-order", self.task_order, "class-incremental tasks share one class order (sync)")
+        if self.strategy in SUBMODEL_STRATEGIES and self.adapter not in ("lora", "full"):
+            raise _bad("adapter", self.adapter, f"strategy {self.strategy!r} trains width-reduced whole encoders "
+                       "(adapter 'full'); leave adapter unset")
         if self.adapter == "full" and self.strategy not in FULL_MODEL_STRATEGIES:
             raise _bad("adapter", "full", f"strategy {self.strategy!r} exchanges adapters; the whole backbone trains "
                        f"only with {', '.join(FULL_MODEL_STRATEGIES)}")
@@ -398,6 +438,13 @@ class ExperimentConfig:
             raise _bad("sift-variant", self.sift_variant, "the text-guided head needs class embeddings: set "
                        "'class-embeddings' (a .npy/.safetensors file, one row per class) or 'text-encoder' (a local "
                        "model folder); sift-variant='trainable-head' needs neither")
+        tasks = {"segmentation" if d.split(":", 1)[0] in SEGMENTATION_KINDS else "classification"
+                 for d in self.site_dataset_list}
+        if tasks and len(tasks | {self.model_task}) > 1 and self.strategy not in SUBMODEL_STRATEGIES:
+            raise _bad("site-datasets", self.site_datasets, f"mixes tasks (the run's dataset is {self.model_task}); "
+                       f"only the sub-model strategies ({', '.join(SUBMODEL_STRATEGIES)}) share just the encoder")
+        if len(tasks) > 1 and self.task != "auto":
+            raise _bad("task", self.task, "site-datasets mixes tasks: leave task='auto' (each site's data decides)")
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -416,6 +463,11 @@ class ExperimentConfig:
             raise _bad("dataset", self.dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
         elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
             raise _bad("dataset", self.dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
+        for entry in self.site_dataset_list:
+            kind, _, arg = entry.partition(":")
+            if kind == "medmnist" and not any(p.is_file() for p in [Path(self.data_dir).expanduser() / f"{arg}.npz",
+                                                                    *Path(self.data_dir).expanduser().glob(f"{arg}_*.npz")]):
+                raise _bad("site-datasets", entry, f"no file {Path(self.data_dir).expanduser().resolve() / (arg + '.npz')}")
         if self.strategy == "sift" and self.head != "linear":
             if self.class_embeddings and not Path(self.class_embeddings).expanduser().is_file():
                 raise _bad("class-embeddings", self.class_embeddings,
@@ -445,6 +497,30 @@ class ExperimentConfig:
         texts = tuple(t.strip() for t in self.class_texts.split(";") if t.strip())
         return texts or tuple(class_names)
 
+    @property
+    def site_dataset_list(self) -> list[str]:
+        return [e.strip() for e in self.site_datasets.split(",") if e.strip()]
+
+    def site_dataset(self, partition_id: int, num_partitions: int) -> tuple[str, int, int]:
+        """(dataset, partition index, partitions) of a site: its ``site-datasets`` entry, split among the sites
+        with the same entry; else ``dataset`` split over all sites."""
+        entries = self.site_dataset_list
+        if not entries:
+            return self.dataset, partition_id, num_partitions
+        if len(entries) != num_partitions:
+            raise ConfigError(f"run-config 'site-datasets' lists {len(entries)} datasets for {num_partitions} "
+                              f"partitions; give one per partition id")
+        group = [p for p, entry in enumerate(entries) if entry == entries[partition_id]]
+        return entries[partition_id], group.index(partition_id), len(group)
+
+    @property
+    def model_adapter(self) -> str:
+        """The adapter the run trains: the class-incremental strategies pick their q/k adapter, the sub-model
+        strategies train the whole encoder."""
+        if self.strategy in SUBMODEL_STRATEGIES:
+            return "full"
+        return INCREMENTAL_ADAPTERS.get(self.strategy, self.adapter)
+
     def server_class_names(self, num_classes: int) -> list[str]:
         """The class names as the server sees them: with dataset='site' they live on the sites only, so
         indices stand in for them."""
@@ -473,7 +549,7 @@ class ExperimentConfig:
                         class_texts=() if self.class_embeddings else self.class_text_list(class_names or []),
                         train_projector=self.sift_variant == "trainable-proj")
         return ModelSpec(
-            backbone=self.backbone, adapter=INCREMENTAL_ADAPTERS.get(self.strategy, self.adapter),
+            backbone=self.backbone, adapter=self.model_adapter,
             n_frequency=self.n_frequency, fourier_scale=self.fourier_scale, img_size=self.img_size,
             patch_size=self.patch_size if backbone_family(resolve_backbone(self.backbone)) == "vit" else 0,
             weights=self.backbone_weights, lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,

@@ -75,7 +75,7 @@ def test_resolve_backbone_aliases_and_timm_names():
 
 
 def test_constants():
-    assert ADAPTERS == ("lora", "ia3", "bottleneck", "fourier", "lora-qk", "none")
+    assert ADAPTERS == ("lora", "ia3", "bottleneck", "fourier", "lora-qk", "full", "none")
     assert WEIGHT_MODES == ("none", "auto")
 
 

@@ -124,6 +124,11 @@ class AdaptedClassifier(AdaptedModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(x))
 
+    def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, pooled features) from one backbone pass."""
+        features = self.backbone(x)
+        return self.head(features), features
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled backbone features ``[B, feature_dim]``."""
         return self.backbone(x)

@@ -75,6 +75,11 @@ class AdaptedSegmenter(AdaptedModel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.feature_grid(x), tuple(x.shape[-2:]))
 
+    def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, pooled features) from one encoder pass."""
+        grid = self.feature_grid(x)
+        return self.decoder(grid, tuple(x.shape[-2:])), grid.mean(dim=(2, 3))
+
 
 def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
     """Encoder with adapters + LightDecoder to ``num_classes`` foreground channels; deterministic for a spec."""

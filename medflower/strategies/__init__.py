@@ -5,12 +5,14 @@ from __future__ import annotations
 from .base import ClientHalf, FederatedStrategy
 from .drift import FedDyn, Scaffold
 from .fedavg import FedAvg, FedProx, Local
+from .fedbkd import FedBKD, FedDrop, FedRolex, HeteroFL
 from .fedkei import FedKEI
 from .pfedmxf import FedAvgLoRA, FedStack, PFedMxF
 from .sgca import LAT, SGCA
 from .sift import SiFT
 
 STRATEGIES: dict[str, type[FederatedStrategy]] = {
-    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack, SiFT)}
+    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack, SiFT,
+                             FedBKD, HeteroFL, FedRolex, FedDrop)}
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]

@@ -478,13 +478,14 @@ class ClientRuntime:
             base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
             data = _cached_data(site_data_spec(base, self.data_path), 0, 1)
         else:
-            data = _cached_data(self.cfg.data_spec(), self.partition_id, self.num_partitions)
+            dataset, index, count = self.cfg.site_dataset(self.partition_id, self.num_partitions)
+            data = _cached_data(self.cfg.data_spec(dataset=dataset), index, count)
         expected = int(self.config.get("num-classes") or data.num_classes)
         if data.num_classes > expected:
             raise DataError(f"{self.data_path or self.cfg.dataset}: this site has {data.num_classes} classes "
                             f"but the run's model has {expected} (run-config num-classes)")
         task = getattr(data, "task", "classification")
-        if task != self.cfg.model_task:
+        if task != self.cfg.model_task and not self.cfg.site_dataset_list:
             raise DataError(f"{self.data_path or self.cfg.dataset}: this site holds {task} data but the run "
                             f"trains a {self.cfg.model_task} model (run-config task)")
         return data
@@ -492,7 +493,7 @@ class ClientRuntime:
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
         num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
-        spec = self.cfg.model_spec(self.data.class_names)
+        spec = dataclasses.replace(self.cfg.model_spec(self.data.class_names), task=self.data.task)
         return _cached_model(dataclasses.replace(spec, **self.model_overrides), num_classes)
 
     @property
@@ -511,6 +512,8 @@ class ClientRuntime:
     @property
     def client(self) -> str:
         node = self.context.node_config
+        if self.cfg.site_dataset_list and not node.get("site-name"):
+            return f"client-{self.partition_id}"  # sites of different datasets would share source site names
         return str(node.get("site-name") or self.data.site or f"client-{self.partition_id}")
 
     def seed(self, purpose: int = 0) -> int:
@@ -525,20 +528,22 @@ class ClientRuntime:
         return OptimizerSpec(self.cfg.optimizer, lr, self.cfg.momentum, self.cfg.weight_decay)
 
     def train_local(self, extra_loss=None, optimizer: OptimizerSpec | None = None,
-                    batch_size: int | None = None) -> dict[str, float]:
-        """``local-epochs`` of the site's training split on the current model (seeded per site and round)."""
+                    batch_size: int | None = None, model: torch.nn.Module | None = None) -> dict[str, float]:
+        """``local-epochs`` of the site's training split on ``model`` (default: the site's model), seeded per site
+        and round."""
         torch.manual_seed(self.seed(2))
-        return train_epochs(self.model, self.loader("train", shuffle=True, batch_size=batch_size),
+        return train_epochs(self.model if model is None else model, self.loader("train", shuffle=True, batch_size=batch_size),
                             epochs=self.cfg.local_epochs, optimizer=optimizer or self.optimizer(), device=self.device,
                             extra_loss=extra_loss)
 
-    def evaluate_splits(self, splits: Iterable[str] = ("val", "test")) -> dict[str, float]:
-        """Metrics of the current model: test metrics unprefixed, others as '<split>_<metric>'."""
+    def evaluate_splits(self, splits: Iterable[str] = ("val", "test"),
+                        model: torch.nn.Module | None = None) -> dict[str, float]:
+        """Metrics of ``model`` (default: the site's model): test metrics unprefixed, others as '<split>_<metric>'."""
         out: dict[str, float] = {}
         for split in splits:
             if len(getattr(self.data, split)) == 0:
                 continue
-            metrics = evaluate(self.model, self.loader(split), self.device, self.data.class_names)
+            metrics = evaluate(self.model if model is None else model, self.loader(split), self.device, self.data.class_names)
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
         return out
 

@@ -1,0 +1,273 @@
+"""FedBKD (seed 003, DESIGN 3.5) and the width-scaling baselines HeteroFL, FedRolex and FedDrop.
+
+Every site trains a sub-encoder of the server's ViT: each transformer block's FFN keeps ⌈β_k·d_ffn⌉ of its
+hidden neurons (``models/ffn_slices.py``), the rest of the encoder stays whole. β_k is the site's capacity:
+node-config ``capacity``, else ``fedbkd-capacities`` by partition id, else 1. A site is a segmentation or a
+classification client (its data decides: ``site-datasets`` or its own data folder); only the encoder is
+shared, each site's decoder or head stays in its personal state.
+
+Which neurons:
+- ``fedbkd``: adaptive sub-model extraction (ASE). The site runs the received global encoder over its training
+  data and keeps the top-ψ neurons of each FFN, ψ = mean² + variance of the GELU activation (Eqs. 2-3).
+- ``heterofl``: the first k (a static prefix); ``fedrolex``: k consecutive neurons starting at (round − 1) mod
+  d_ffn (a window rolling by one per round); ``feddrop``: k drawn at random per site and round (seeded).
+
+Training: ``local-epochs`` on the sub-encoder + the site's decoder/head. ``fedbkd`` adds
+λ·(1 − CKA(f_k, f_g)) (feature consistency, FCO; Eq. 4 as a similarity, so 1 − CKA is the loss; λ =
+``fedbkd-lambda``), f_g the frozen global encoder's pooled features on the same batch.
+
+Merge: slices go back to their global indices; each entry is Σ_k w_k θ_k / Σ_{k covering it} w_k, entries no
+site covers keep their value. ``fedbkd``: w_k ∝ μ_k, the trace (or top eigenvalue, ``fedbkd-eigen``) of the
+covariance of the site's encoder features after training (Eqs. 6-7); the baselines: w_k ∝ n_k (HeteroFL's
+averaging over the clients that hold each entry). With β = 1 everywhere the merge is weighted FedAvg.
+
+Ablations (``fedbkd-variant``, the paper's Table 2): ``ase-only`` (top-ψ sub-models, no CKA, n_k weights),
+``fco-only`` (prefix sub-models, CKA and eigenvalue weights).
+
+What leaves a site: its sub-encoder's arrays (FFN slices narrowed), the kept neuron indices per FFN, n_k and
+μ_k (FedBKD); never its decoder or head, never its data or features.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from torch import nn
+
+from ..models.ffn_slices import (covered_merge, extract_subnetwork, feature_spread, ffn_modules, ffn_saliency,
+                                 kept_count, linear_cka, select_neurons)
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record
+
+ENCODER = "backbone."  # the shared part: every encoder array; decoders and heads stay on the sites
+KEPT = "kept/"  # kept neuron indices travel as "kept/<ffn module name>" int64 arrays
+
+
+def capacity_of(runtime) -> float:
+    """β_k: node-config ``capacity``, else ``fedbkd-capacities`` by partition id, else 1."""
+    node = runtime.context.node_config
+    if node.get("capacity") is not None:
+        return float(node["capacity"])
+    listed = [float(p) for p in runtime.cfg.fedbkd_capacities.split(",") if p.strip()]
+    if not listed:
+        return 1.0
+    if runtime.partition_id >= len(listed):
+        raise ValueError(f"run-config 'fedbkd-capacities' lists {len(listed)} capacities but this site is partition "
+                         f"{runtime.partition_id}; give one per partition id or set node-config capacity")
+    return listed[runtime.partition_id]
+
+
+class FeatureAligned(nn.Module):
+    """The sub-model's forward that also keeps CKA(f_k, f_g) of the batch against the frozen global model.
+
+    The global model is held outside the module tree, so the optimizer never sees its parameters.
+    """
+
+    def __init__(self, sub: nn.Module, reference: nn.Module):
+        super().__init__()
+        self.sub = sub
+        self.task = sub.task
+        self._reference = (reference,)
+        self.alignment = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, features = self.sub.forward_with_features(x)
+        with torch.no_grad():
+            reference = self._reference[0].features(x)
+        self.alignment = linear_cka(features, reference)
+        return logits
+
+
+class SubModelClient(ClientHalf):
+    """Extract this round's sub-encoder, train it with the local decoder/head, send its slices back."""
+
+    def query(self, message: Message) -> RecordDict:
+        content = super().query(message)
+        content["metrics"]["capacity"] = capacity_of(self.rt)
+        return content
+
+    def personal(self) -> PersonalState:
+        return PersonalState(self.rt, key="submodel")
+
+    def kept_neurons(self, model: nn.Module, capacity: float) -> "OrderedDict[str, np.ndarray]":
+        """This round's kept neurons per FFN (``selection`` from the run config)."""
+        rt = self.rt
+        selection = str(rt.config["selection"])
+        modules = ffn_modules(model)
+        saliency = None
+        if selection == "saliency":
+            images = (x.to(rt.device) for x, _ in rt.loader("train"))
+            saliency = ffn_saliency(model, images, forward=model.features)
+        return OrderedDict((name, select_neurons(m.fc1.out_features, capacity, selection,
+                                                 saliency=None if saliency is None else saliency[name],
+                                                 round_index=rt.round - 1, seed=rt.seed(7 + i)))
+                           for i, (name, m) in enumerate(modules.items()))
+
+    def train(self, message: Message) -> RecordDict:
+        rt = self.rt
+        model = rt.model.to(rt.device)
+        model.set_trainable(rt.initial_arrays)  # the task module's seeded init, unless the site has its own
+        model.set_trainable(from_record(message.content["arrays"]), strict=False)
+        previous = self.personal().load(before=rt.round)
+        if previous is not None:
+            model.set_trainable({k: v for k, v in previous.items() if not k.startswith((ENCODER, KEPT))},
+                                strict=False)
+        capacity = capacity_of(rt)
+        kept = self.kept_neurons(model, capacity)
+        sub = extract_subnetwork(model, kept)
+        weight = float(rt.config.get("alignment-weight", 0.0))
+        if weight > 0:
+            aligned = FeatureAligned(sub, model.eval())
+            metrics = rt.train_local(lambda *_: weight * (1.0 - aligned.alignment), model=aligned)
+        else:
+            metrics = rt.train_local(model=sub)
+        arrays = sub.get_trainable()
+        kept_arrays = OrderedDict((KEPT + name, idx) for name, idx in kept.items())
+        self.personal().save(rt.round, OrderedDict([*arrays.items(), *kept_arrays.items()]))
+        metrics.update({"num-examples": len(rt.data.train), "capacity": capacity,
+                        "feature-spread": self.spread(sub, str(rt.config.get("eigen", "trace")))})
+        encoder = OrderedDict((k, v) for k, v in arrays.items() if k.startswith(ENCODER))
+        return self.reply(arrays=OrderedDict([*encoder.items(), *kept_arrays.items()]), metrics=metrics)
+
+    @torch.no_grad()
+    def spread(self, sub: nn.Module, kind: str) -> float:
+        """μ_k (Eqs. 6-7): the covariance trace or top eigenvalue of the trained sub-encoder's pooled features."""
+        sub.eval()
+        features = [sub.features(x.to(self.rt.device)).float().cpu().numpy() for x, _ in self.rt.loader("train")]
+        return feature_spread(np.concatenate(features), kind)
+
+    def evaluate(self, message: Message) -> RecordDict:
+        """The site's own model after its last training: its sub-encoder and decoder/head."""
+        rt = self.rt
+        saved = self.personal().load(before=rt.round + 1)
+        if saved is None:
+            return self.reply(metrics={})
+        kept = OrderedDict((k[len(KEPT):], v) for k, v in saved.items() if k.startswith(KEPT))
+        sub = extract_subnetwork(rt.model, kept)
+        sub.set_trainable({k: v for k, v in saved.items() if not k.startswith(KEPT)})
+        return self.reply(metrics=rt.evaluate_splits(model=sub))
+
+
+class SubModelStrategy(FederatedStrategy):
+    """Server half shared by FedBKD and the width-scaling baselines: per-site shapes, the covered merge."""
+
+    client_half = SubModelClient
+    selection = "prefix"
+
+    def __init__(self, cfg, recorder, initial, num_classes):
+        encoder = OrderedDict((k, v) for k, v in initial.items() if k.startswith(ENCODER))
+        super().__init__(cfg, recorder, encoder, num_classes)
+        self.ffn_width = self._ffn_widths()
+
+    def _ffn_widths(self) -> dict[str, int]:
+        """FFN module name -> d_ffn, from the encoder's fc1 weights."""
+        return {k[:-len(".fc1.weight")]: v[0][0] for k, v in self.spec.items() if k.endswith(".fc1.weight")}
+
+    # ------------------------------------------------------------------ what the sites are told
+    def method_config(self) -> dict[str, Any]:
+        return {"selection": self.selection, "alignment-weight": 0.0}
+
+    def base_config(self, rnd: int, **extra: Any) -> ConfigRecord:
+        # Sites hold different tasks and datasets: each builds its decoder/head for its own classes.
+        config = super().base_config(rnd, **{**self.method_config(), **extra})
+        config["num-classes"], config["model-classes"] = 0, 0
+        return config
+
+    def evaluate_content(self, rnd: int, node_id: int) -> RecordDict:
+        return RecordDict({"config": self.base_config(rnd)})
+
+    # ------------------------------------------------------------------ replies
+    def capacity(self, node_id: int) -> float:
+        return float(self.nodes[node_id].extra.get("capacity", 1.0)) if node_id in self.nodes else 1.0
+
+    def reply_spec(self, node_id: int) -> ArraySpec:
+        """The encoder with each FFN narrowed to ⌈β_k·d_ffn⌉ neurons, plus the kept indices."""
+        capacity = self.capacity(node_id)
+        spec: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
+        for name, (shape, dtype) in self.spec.items():
+            ffn = next((f for f in self.ffn_width if name.startswith(f + ".fc")), None)
+            if ffn is not None and not name.endswith("fc2.bias"):
+                k = kept_count(self.ffn_width[ffn], capacity)
+                shape = (k, *shape[1:]) if ".fc1." in name else (shape[0], k)
+            spec[name] = (shape, dtype)
+        for ffn, width in self.ffn_width.items():
+            spec[KEPT + ffn] = ((kept_count(width, capacity),), "int64")
+        return spec
+
+    def merge_weight(self, reply: Reply) -> float:
+        return reply.num_examples
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        valid = []
+        for reply in replies:  # kept indices must be distinct global neurons
+            bad = [ffn for ffn, width in self.ffn_width.items()
+                   if not _valid_indices(reply.arrays[KEPT + ffn], width)]
+            if bad:
+                self.stats.rejected.append(f"{reply.client}: kept indices of {bad[0]} are not distinct, sorted "
+                                           f"neurons in range")
+                continue
+            valid.append(reply)
+        if not valid:
+            return
+        parts = [{k: v for k, v in r.arrays.items() if not k.startswith(KEPT)} for r in valid]
+        kept = [{ffn: r.arrays[KEPT + ffn] for ffn in self.ffn_width} for r in valid]
+        weights = [self.merge_weight(r) for r in valid]
+        self.global_arrays = covered_merge(self.global_arrays, parts, kept, weights, self.ffn_width)
+        self.stats.extra["merge_weights"] = {r.client: round(w / sum(weights), 6) for r, w in zip(valid, weights)}
+
+
+def _valid_indices(index: np.ndarray, width: int) -> bool:
+    return bool(index.size) and bool((np.diff(index) > 0).all()) and 0 <= int(index[0]) and int(index[-1]) < width
+
+
+class FedBKD(SubModelStrategy):
+    """FedBKD: top-ψ sub-encoders, CKA alignment to the global encoder, eigenvalue-weighted covered merge.
+
+    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k and μ_k.
+    """
+
+    name = "fedbkd"
+
+    def method_config(self) -> dict[str, Any]:
+        variant = self.cfg.fedbkd_variant
+        return {"selection": "prefix" if variant == "fco-only" else "saliency",
+                "alignment-weight": 0.0 if variant == "ase-only" else self.cfg.fedbkd_lambda,
+                "eigen": self.cfg.fedbkd_eigen}
+
+    def merge_weight(self, reply: Reply) -> float:
+        if self.cfg.fedbkd_variant == "ase-only":
+            return reply.num_examples
+        return max(float(reply.metrics.get("feature-spread", 0.0)), 1e-12)
+
+
+class HeteroFL(SubModelStrategy):
+    """HeteroFL (Diao et al. 2021): static prefix sub-models, entries averaged over the sites holding them.
+
+    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
+    """
+
+    name = "heterofl"
+    selection = "prefix"
+
+
+class FedRolex(SubModelStrategy):
+    """FedRolex (Alam et al. 2022): a window of neurons rolling by one per round.
+
+    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
+    """
+
+    name = "fedrolex"
+    selection = "rolling"
+
+
+class FedDrop(SubModelStrategy):
+    """FedDrop (federated dropout, Caldas et al. 2018): a random subset of neurons per site and round.
+
+    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
+    """
+
+    name = "feddrop"
+    selection = "random"

@@ -1,0 +1,142 @@
+"""FedBKD and the width-scaling baselines in the protocol: sub-encoders of each site's capacity, the covered
+merge on real replies (μ_k weights, uncovered entries kept), segmentation and classification sites in one
+federation with their decoders kept at home, rejected index sets, resume, config errors."""
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.inprocess import run_inprocess
+from medflower.models.ffn_slices import kept_count
+from medflower.strategies import fedbkd
+from medflower.strategies.base import Checkpointer
+
+MIXED = {"dataset": "synthetic-seg", "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
+         "fedbkd-capacities": "0.5,0.125,0.25", "synthetic-size": 160, "num-rounds": 2}
+FFN = "backbone.blocks.0.mlp"
+
+
+def capture(monkeypatch):
+    captured = {}
+    original = fedbkd.SubModelStrategy.aggregate_train
+
+    def spy(self, rnd, replies):
+        before = OrderedDict((k, v.copy()) for k, v in self.global_arrays.items())
+        original(self, rnd, replies)
+        captured[rnd] = (replies, before, OrderedDict((k, v.copy()) for k, v in self.global_arrays.items()))
+
+    monkeypatch.setattr(fedbkd.SubModelStrategy, "aggregate_train", spy)
+    return captured
+
+
+def records(run_dir: Path, kind: str):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_entry_over_its_holders(tiny, monkeypatch):
+    captured = capture(monkeypatch)
+    config = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "bkd"})
+    run_inprocess(config, num_nodes=3)
+    replies, before, after = captured[1]
+    by_client = {r.client: r for r in replies}
+    assert set(by_client) == {"client-0", "client-1", "client-2"}
+    for client, capacity in (("client-0", 0.5), ("client-1", 0.125), ("client-2", 0.25)):
+        arrays = by_client[client].arrays
+        k = kept_count(768, capacity)
+        assert arrays[FFN + ".fc1.weight"].shape == (k, 192) and arrays[FFN + ".fc2.weight"].shape == (192, k)
+        assert arrays["kept/" + FFN].shape == (k,) and arrays["kept/" + FFN].dtype == np.int64
+        assert not any(name.startswith(("backbone.head", "decoder.", "head.")) for name in arrays)  # stays home
+    spreads = {c: r.metrics["feature-spread"] for c, r in by_client.items()}
+    w = {c: s / sum(spreads.values()) for c, s in spreads.items()}
+    name = "backbone.blocks.0.attn.qkv.weight"  # held whole by everyone: the μ-weighted mean
+    np.testing.assert_allclose(after[name], sum(w[c] * by_client[c].arrays[name] for c in w), rtol=1e-5, atol=1e-6)
+    kept = {c: by_client[c].arrays["kept/" + FFN] for c in by_client}
+    rows = after[FFN + ".fc1.bias"]
+    holders = {int(i): [c for c in kept if i in kept[c]] for i in range(768)}
+    for neuron, clients in holders.items():
+        if not clients:  # no site kept it: unchanged
+            assert rows[neuron] == before[FFN + ".fc1.bias"][neuron]
+        elif len(clients) == 1:
+            position = int(np.searchsorted(kept[clients[0]], neuron))
+            assert rows[neuron] == pytest.approx(by_client[clients[0]].arrays[FFN + ".fc1.bias"][position], rel=1e-6)
+    assert any(not c for c in holders.values())
+    server = records(Path(config["output-dir"]) / "bkd", "server")[0]
+    assert server["merge_weights"] == pytest.approx({c: round(v, 6) for c, v in w.items()}, abs=1e-6)
+
+
+def test_segmentation_and_classification_sites_share_only_the_encoder(tiny):
+    config = tiny(**{**MIXED, "strategy": "heterofl", "run-name": "mixed"})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    per_client = summary["per_client"]
+    assert "dice" in per_client["client-0"] and "dice" in per_client["client-1"]
+    assert "accuracy" in per_client["client-2"] and "dice" not in per_client["client-2"]
+    state = Path(config["output-dir"]) / "mixed" / "client-state"
+    saved = sorted(p.name for p in (state / "partition-2" / "submodel").iterdir())
+    assert saved == ["round-1.safetensors", "round-2.safetensors"]  # the site's head and sub-encoder stay home
+
+
+@pytest.mark.parametrize("strategy, first, second", [("heterofl", np.arange(96), np.arange(96)),
+                                                     ("fedrolex", np.arange(96), np.arange(1, 97))])
+def test_the_baselines_keep_the_neurons_they_claim(tiny, monkeypatch, strategy, first, second):
+    captured = capture(monkeypatch)
+    run_inprocess(tiny(**{**MIXED, "strategy": strategy, "run-name": strategy}), num_nodes=3)
+    for rnd, expected in ((1, first), (2, second)):
+        reply = next(r for r in captured[rnd][0] if r.client == "client-1")  # capacity 1/8: 96 of 768
+        np.testing.assert_array_equal(reply.arrays["kept/" + FFN], expected)
+
+
+def test_a_reply_with_repeated_neurons_is_rejected(tiny, monkeypatch):
+    original = fedbkd.SubModelClient.train
+
+    def corrupt(self, message):
+        content = original(self, message)
+        if self.rt.partition_id == 1:
+            record = content["arrays"]
+            index = record["kept/" + FFN].numpy().copy()
+            index[1] = index[0]
+            from flwr.app import Array
+            record["kept/" + FFN] = Array(index)
+        return content
+
+    monkeypatch.setattr(fedbkd.SubModelClient, "train", corrupt)
+    config = tiny(**{**MIXED, "strategy": "feddrop", "run-name": "bad", "num-rounds": 1})
+    run_inprocess(config, num_nodes=3)
+    server = records(Path(config["output-dir"]) / "bad", "server")[0]
+    assert server["num_rejected"] == 1 and "client-1" in server["rejected"][0]
+    assert set(server["merge_weights"]) == {"client-0", "client-2"}
+
+
+def test_resume_equals_an_uninterrupted_run(tiny):
+    whole = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "whole", "num-rounds": 3})
+    run_inprocess(whole, num_nodes=3)
+    part = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "part", "num-rounds": 2})
+    run_inprocess(part, num_nodes=3)
+    run_inprocess(tiny(**{**MIXED, "strategy": "fedbkd", "num-rounds": 3,
+                          "resume-from": str(Path(part["output-dir"]) / "part")}), num_nodes=3)
+    a, _ = Checkpointer(Path(whole["output-dir"]) / "whole" / "checkpoint").load()
+    b, _ = Checkpointer(Path(part["output-dir"]) / "part" / "checkpoint").load()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_bad_capacities_and_task_mixes_are_named(tiny):
+    def check(**overrides):
+        return ExperimentConfig.from_run_config({**defaults(), **tiny(**overrides)})
+
+    with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
+        check(strategy="fedbkd", **{"fedbkd-capacities": "0.5,1.5"})
+    with pytest.raises(ConfigError, match="mixes tasks"):
+        check(strategy="fedavg", **{"site-datasets": "synthetic-seg,synthetic"})
+    with pytest.raises(ConfigError, match="leave task='auto'"):
+        check(strategy="fedbkd", task="segmentation", dataset="synthetic-seg", **{"site-datasets": "synthetic-seg,synthetic"})
+    with pytest.raises(ConfigError, match="entry 'synthtic'"):
+        check(strategy="fedbkd", **{"site-datasets": "synthetic,synthtic"})
+    assert check(strategy="fedbkd").model_spec().adapter == "full"
+    cfg = check(strategy="fedbkd", **{"site-datasets": "synthetic-seg,synthetic,synthetic-seg"})
+    assert cfg.site_dataset(2, 3) == ("synthetic-seg", 1, 2) and cfg.site_dataset(1, 3) == ("synthetic", 0, 1)
+    with pytest.raises(ConfigError, match="lists 3 datasets for 4 partitions"):
+        cfg.site_dataset(0, 4)
