@@ -129,7 +129,7 @@ INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstac
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
 # Sub-model strategies (DESIGN 3.5): a width-reduced encoder per site; only the encoder is shared, so sites
 # may hold different tasks (site-datasets).
-SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop")
+SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local")
 FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
 # Strategies that can train the whole backbone (adapter='full'); the others select adapters by name.
 FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift", *SUBMODEL_STRATEGIES)

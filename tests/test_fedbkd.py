@@ -80,7 +80,8 @@ def test_segmentation_and_classification_sites_share_only_the_encoder(tiny):
 
 
 @pytest.mark.parametrize("strategy, first, second", [("heterofl", np.arange(96), np.arange(96)),
-                                                     ("fedrolex", np.arange(96), np.arange(1, 97))])
+                                                     ("fedrolex", np.arange(96), np.arange(1, 97)),
+                                                     ("submodel-fedprox", np.arange(96), np.arange(96))])
 def test_the_baselines_keep_the_neurons_they_claim(tiny, monkeypatch, strategy, first, second):
     captured = capture(monkeypatch)
     run_inprocess(tiny(**{**MIXED, "strategy": strategy, "run-name": strategy}), num_nodes=3)
@@ -140,3 +141,55 @@ def test_bad_capacities_and_task_mixes_are_named(tiny):
     assert cfg.site_dataset(2, 3) == ("synthetic-seg", 1, 2) and cfg.site_dataset(1, 3) == ("synthetic", 0, 1)
     with pytest.raises(ConfigError, match="lists 3 datasets for 4 partitions"):
         cfg.site_dataset(0, 4)
+
+
+def test_local_training_with_capacities_sends_nothing_and_continues_the_sites_own_model(tiny, replies_of_train):
+    config = tiny(**{**MIXED, "strategy": "submodel-local", "run-name": "local"})
+    run_inprocess(config, num_nodes=3)
+    sent, answered = replies_of_train
+    assert [("arrays" in m.content.array_records) for m in sent] == [True] * 3 + [False] * 3  # round 1 only
+    assert all("arrays" not in r.content.array_records for r in answered)
+    from safetensors.numpy import load_file
+    folder = Path(config["output-dir"]) / "local" / "client-state" / "partition-1" / "submodel"
+    first, second = load_file(str(folder / "round-1.safetensors")), load_file(str(folder / "round-2.safetensors"))
+    np.testing.assert_array_equal(first["kept/" + FFN], np.arange(96))
+    assert not np.allclose(first[FFN + ".fc1.weight"], second[FFN + ".fc1.weight"])  # round 2 went on from round 1
+
+
+def test_fedprox_with_capacities_pulls_only_the_shared_encoder():
+    import torch
+
+    from medflower.strategies.fedavg import proximal_term
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.nn.Parameter(torch.ones(3))
+            self.dec = torch.nn.Parameter(torch.ones(2))
+
+        def trainable_parameters(self):
+            return OrderedDict([("backbone.w", self.enc), ("decoder.w", self.dec)])
+
+    model = Two()
+    proximal_term(model, {"backbone.w": torch.zeros(3)}, 0.5)(model, None, None).backward()
+    torch.testing.assert_close(model.enc.grad, 0.5 * torch.ones(3))
+    assert model.dec.grad is None
+
+
+@pytest.fixture
+def replies_of_train(monkeypatch):
+    from medflower.inprocess import InProcessGrid
+
+    sent, answered = [], []
+    original = InProcessGrid.send_and_receive
+
+    def spy(self, messages, *, timeout=None):
+        messages = list(messages)
+        out = list(original(self, messages, timeout=timeout))
+        if messages and messages[0].metadata.message_type == "train":
+            sent.extend(messages)
+            answered.extend(out)
+        return out
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", spy)
+    return sent, answered

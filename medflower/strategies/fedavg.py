@@ -16,8 +16,9 @@ from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_
 
 
 def proximal_term(model, anchor: Mapping[str, torch.Tensor], mu: float):
-    """FedProx (Li et al. 2020, Eq. 2): (mu/2)·||w − w_global||² over the trainable arrays."""
-    params = model.trainable_parameters()
+    """FedProx (Li et al. 2020, Eq. 2): (mu/2)·||w − w_global||² over the trainable parameters that ``anchor``
+    holds (a site's own decoder, say, is left out by leaving it out of the anchor)."""
+    params = {k: p for k, p in model.trainable_parameters().items() if k in anchor}
 
     def extra_loss(_model, _logits, _labels):
         return 0.5 * mu * sum(((params[k] - anchor[k]) ** 2).sum() for k in params)

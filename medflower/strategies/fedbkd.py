@@ -40,7 +40,8 @@ from torch import nn
 
 from ..models.ffn_slices import (covered_merge, extract_subnetwork, feature_spread, ffn_modules, ffn_saliency,
                                  kept_count, linear_cka, select_neurons)
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record
+from .fedavg import proximal_term
 
 ENCODER = "backbone."  # the shared part: every encoder array; decoders and heads stay on the sites
 KEPT = "kept/"  # kept neuron indices travel as "kept/<ffn module name>" int64 arrays
@@ -106,22 +107,39 @@ class SubModelClient(ClientHalf):
                                                  round_index=rt.round - 1, seed=rt.seed(7 + i)))
                            for i, (name, m) in enumerate(modules.items()))
 
+    def restore(self, saved: dict[str, np.ndarray]) -> nn.Module:
+        """The site's sub-model as it left its last training: its kept neurons, sub-encoder and decoder/head."""
+        kept = OrderedDict((k[len(KEPT):], v) for k, v in saved.items() if k.startswith(KEPT))
+        sub = extract_subnetwork(self.rt.model, kept)
+        sub.set_trainable({k: v for k, v in saved.items() if not k.startswith(KEPT)})
+        return sub
+
     def train(self, message: Message) -> RecordDict:
         rt = self.rt
         model = rt.model.to(rt.device)
         model.set_trainable(rt.initial_arrays)  # the task module's seeded init, unless the site has its own
-        model.set_trainable(from_record(message.content["arrays"]), strict=False)
         previous = self.personal().load(before=rt.round)
-        if previous is not None:
-            model.set_trainable({k: v for k, v in previous.items() if not k.startswith((ENCODER, KEPT))},
-                                strict=False)
         capacity = capacity_of(rt)
-        kept = self.kept_neurons(model, capacity)
-        sub = extract_subnetwork(model, kept)
+        if rt.config.get("local-only") and previous is not None:  # submodel-local: the site's own model goes on
+            sub = self.restore(previous)
+            kept = OrderedDict((k[len(KEPT):], v) for k, v in previous.items() if k.startswith(KEPT))
+        else:
+            if "arrays" in message.content.array_records:
+                model.set_trainable(from_record(message.content["arrays"]), strict=False)
+            if previous is not None:
+                model.set_trainable({k: v for k, v in previous.items() if not k.startswith((ENCODER, KEPT))},
+                                    strict=False)
+            kept = self.kept_neurons(model, capacity)
+            sub = extract_subnetwork(model, kept)
         weight = float(rt.config.get("alignment-weight", 0.0))
+        mu = float(rt.config.get("proximal-mu", 0.0))
         if weight > 0:
             aligned = FeatureAligned(sub, model.eval())
             metrics = rt.train_local(lambda *_: weight * (1.0 - aligned.alignment), model=aligned)
+        elif mu > 0:  # FedProx on the shared part only: the decoder/head never leaves the site
+            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in sub.get_trainable().items()
+                      if k.startswith(ENCODER)}
+            metrics = rt.train_local(proximal_term(sub, anchor, mu), model=sub)
         else:
             metrics = rt.train_local(model=sub)
         arrays = sub.get_trainable()
@@ -129,6 +147,8 @@ class SubModelClient(ClientHalf):
         self.personal().save(rt.round, OrderedDict([*arrays.items(), *kept_arrays.items()]))
         metrics.update({"num-examples": len(rt.data.train), "capacity": capacity,
                         "feature-spread": self.spread(sub, str(rt.config.get("eigen", "trace")))})
+        if rt.config.get("local-only"):
+            return self.reply(metrics=metrics)
         encoder = OrderedDict((k, v) for k, v in arrays.items() if k.startswith(ENCODER))
         return self.reply(arrays=OrderedDict([*encoder.items(), *kept_arrays.items()]), metrics=metrics)
 
@@ -145,10 +165,7 @@ class SubModelClient(ClientHalf):
         saved = self.personal().load(before=rt.round + 1)
         if saved is None:
             return self.reply(metrics={})
-        kept = OrderedDict((k[len(KEPT):], v) for k, v in saved.items() if k.startswith(KEPT))
-        sub = extract_subnetwork(rt.model, kept)
-        sub.set_trainable({k: v for k, v in saved.items() if not k.startswith(KEPT)})
-        return self.reply(metrics=rt.evaluate_splits(model=sub))
+        return self.reply(metrics=rt.evaluate_splits(model=self.restore(saved)))
 
 
 class SubModelStrategy(FederatedStrategy):
@@ -271,3 +288,42 @@ class FedDrop(SubModelStrategy):
 
     name = "feddrop"
     selection = "random"
+
+
+class SubModelFedProx(SubModelStrategy):
+    """FedProx with the same capacities: HeteroFL's prefix sub-encoders and covered merge, plus
+    (mu/2)·‖θ − θ_received‖² over the sub-encoder in local training (``proximal-mu``).
+
+    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
+    """
+
+    name = "submodel-fedprox"
+    selection = "prefix"
+
+    def method_config(self) -> dict[str, Any]:
+        return {**super().method_config(), "proximal-mu": self.cfg.proximal_mu}
+
+
+class SubModelLocal(SubModelStrategy):
+    """Local training with the same capacities: each site trains its prefix sub-encoder of the seeded initial
+    encoder and its decoder/head alone; nothing is merged (the Δm reference of FedBKD's Table 1).
+
+    Leaves a site: metrics only.
+    """
+
+    name = "submodel-local"
+    selection = "prefix"
+
+    def method_config(self) -> dict[str, Any]:
+        return {**super().method_config(), "local-only": True}
+
+    def reply_spec(self, node_id: int) -> ArraySpec:
+        return {}
+
+    def train_content(self, rnd: int, node_id: int) -> RecordDict:
+        # Round 1 needs the seeded initial encoder to cut the site's sub-encoder from; later rounds need nothing.
+        return RecordDict({"config": self.base_config(rnd)} if rnd > 1 else
+                          {"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        """Nothing to merge: each site keeps its own model."""
