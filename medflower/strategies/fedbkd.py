@@ -107,12 +107,12 @@ class SubModelClient(ClientHalf):
                                                  round_index=rt.round - 1, seed=rt.seed(7 + i)))
                            for i, (name, m) in enumerate(modules.items()))
 
-    def restore(self, saved: dict[str, np.ndarray]) -> nn.Module:
-        """The site's sub-model as it left its last training: its kept neurons, sub-encoder and decoder/head."""
+    def restore(self, saved: dict[str, np.ndarray]) -> tuple[nn.Module, "OrderedDict[str, np.ndarray]"]:
+        """The site's sub-model as it left its last training (sub-encoder and decoder/head), and its kept neurons."""
         kept = OrderedDict((k[len(KEPT):], v) for k, v in saved.items() if k.startswith(KEPT))
         sub = extract_subnetwork(self.rt.model, kept)
         sub.set_trainable({k: v for k, v in saved.items() if not k.startswith(KEPT)})
-        return sub
+        return sub, kept
 
     def train(self, message: Message) -> RecordDict:
         rt = self.rt
@@ -121,8 +121,7 @@ class SubModelClient(ClientHalf):
         previous = self.personal().load(before=rt.round)
         capacity = capacity_of(rt)
         if rt.config.get("local-only") and previous is not None:  # submodel-local: the site's own model goes on
-            sub = self.restore(previous)
-            kept = OrderedDict((k[len(KEPT):], v) for k, v in previous.items() if k.startswith(KEPT))
+            sub, kept = self.restore(previous)
         else:
             if "arrays" in message.content.array_records:
                 model.set_trainable(from_record(message.content["arrays"]), strict=False)
@@ -145,8 +144,9 @@ class SubModelClient(ClientHalf):
         arrays = sub.get_trainable()
         kept_arrays = OrderedDict((KEPT + name, idx) for name, idx in kept.items())
         self.personal().save(rt.round, OrderedDict([*arrays.items(), *kept_arrays.items()]))
-        metrics.update({"num-examples": len(rt.data.train), "capacity": capacity,
-                        "feature-spread": self.spread(sub, str(rt.config.get("eigen", "trace")))})
+        metrics.update({"num-examples": len(rt.data.train), "capacity": capacity})
+        if "eigen" in rt.config:  # FedBKD's merge weight; the baselines weigh by n_k
+            metrics["feature-spread"] = self.spread(sub, str(rt.config["eigen"]))
         if rt.config.get("local-only"):
             return self.reply(metrics=metrics)
         encoder = OrderedDict((k, v) for k, v in arrays.items() if k.startswith(ENCODER))
@@ -165,7 +165,7 @@ class SubModelClient(ClientHalf):
         saved = self.personal().load(before=rt.round + 1)
         if saved is None:
             return self.reply(metrics={})
-        return self.reply(metrics=rt.evaluate_splits(model=self.restore(saved)))
+        return self.reply(metrics=rt.evaluate_splits(model=self.restore(saved)[0]))
 
 
 class SubModelStrategy(FederatedStrategy):
@@ -250,9 +250,11 @@ class FedBKD(SubModelStrategy):
 
     def method_config(self) -> dict[str, Any]:
         variant = self.cfg.fedbkd_variant
-        return {"selection": "prefix" if variant == "fco-only" else "saliency",
-                "alignment-weight": 0.0 if variant == "ase-only" else self.cfg.fedbkd_lambda,
-                "eigen": self.cfg.fedbkd_eigen}
+        config = {"selection": "prefix" if variant == "fco-only" else "saliency",
+                  "alignment-weight": 0.0 if variant == "ase-only" else self.cfg.fedbkd_lambda}
+        if variant != "ase-only":  # ase-only weighs by n_k: no μ_k to compute
+            config["eigen"] = self.cfg.fedbkd_eigen
+        return config
 
     def merge_weight(self, reply: Reply) -> float:
         if self.cfg.fedbkd_variant == "ase-only":
