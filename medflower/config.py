@@ -131,6 +131,8 @@ FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
 # may hold different tasks (site-datasets).
 SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local")
 FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
+# Strategies that pick their own adapter (the run's 'adapter' must be left at its default).
+STRATEGY_ADAPTERS = {**INCREMENTAL_ADAPTERS, **{s: "full" for s in SUBMODEL_STRATEGIES}}
 # Strategies that can train the whole backbone (adapter='full'); the others select adapters by name.
 FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift", *SUBMODEL_STRATEGIES)
 # SiFT's ablations (DESIGN 3.4) and the head each one builds.
@@ -167,6 +169,11 @@ def _capacities(v: Any) -> str:
         if not 0 < value <= 1:
             raise ValueError(f"entry {part!r} must be in (0, 1] (the share of FFN neurons a site keeps)")
     return text
+
+
+def _holds_masks(dataset: str) -> bool:
+    """True for a segmentation source (masks, not class labels)."""
+    return dataset.split(":", 1)[0] in SEGMENTATION_KINDS
 
 
 def _seed_check(v: int) -> str | None:
@@ -419,15 +426,13 @@ class ExperimentConfig:
             if self.model_task != "classification":
                 raise _bad("strategy", self.strategy, "class-incremental tasks need a classification source "
                            f"(dataset {self.dataset!r} is {self.model_task})")
-            wanted = INCREMENTAL_ADAPTERS[self.strategy]
-            if self.adapter not in ("lora", wanted):
-                raise _bad("adapter", self.adapter, f"strategy {self.strategy!r} trains adapter {wanted!r} on the q "
-                           "and k projections; leave adapter unset")
             if self.task_order != "sync":
                 raise _bad("task-order", self.task_order, "class-incremental tasks share one class order (sync)")
-        if self.strategy in SUBMODEL_STRATEGIES and self.adapter not in ("lora", "full"):
-            raise _bad("adapter", self.adapter, f"strategy {self.strategy!r} trains width-reduced whole encoders "
-                       "(adapter 'full'); leave adapter unset")
+        wanted = STRATEGY_ADAPTERS.get(self.strategy)
+        if wanted and self.adapter not in ("lora", wanted):
+            what = "the q and k projections" if wanted != "full" else "width-reduced whole encoders"
+            raise _bad("adapter", self.adapter, f"strategy {self.strategy!r} trains adapter {wanted!r} ({what}); "
+                       "leave adapter unset")
         if self.adapter == "full" and self.strategy not in FULL_MODEL_STRATEGIES:
             raise _bad("adapter", "full", f"strategy {self.strategy!r} exchanges adapters; the whole backbone trains "
                        f"only with {', '.join(FULL_MODEL_STRATEGIES)}")
@@ -438,8 +443,7 @@ class ExperimentConfig:
             raise _bad("sift-variant", self.sift_variant, "the text-guided head needs class embeddings: set "
                        "'class-embeddings' (a .npy/.safetensors file, one row per class) or 'text-encoder' (a local "
                        "model folder); sift-variant='trainable-head' needs neither")
-        tasks = {"segmentation" if d.split(":", 1)[0] in SEGMENTATION_KINDS else "classification"
-                 for d in self.site_dataset_list}
+        tasks = {"segmentation" if _holds_masks(d) else "classification" for d in self.site_dataset_list}
         if tasks and len(tasks | {self.model_task}) > 1 and self.strategy not in SUBMODEL_STRATEGIES:
             raise _bad("site-datasets", self.site_datasets, f"mixes tasks (the run's dataset is {self.model_task}); "
                        f"only the sub-model strategies ({', '.join(SUBMODEL_STRATEGIES)}) share just the encoder")
@@ -452,22 +456,9 @@ class ExperimentConfig:
 
     def check_data_paths(self) -> None:
         """Fail early when the run config names data that is not there."""
-        kind, _, arg = self.dataset.partition(":")
-        if kind == "medmnist":
-            data_dir = Path(self.data_dir).expanduser()
-            candidates = [data_dir / f"{arg}.npz"] + sorted(data_dir.glob(f"{arg}_*.npz"))
-            if not any(p.is_file() for p in candidates):
-                raise _bad("dataset", self.dataset,
-                           f"no file {candidates[0]} (data-dir = {self.data_dir!r}, absolute: {data_dir.resolve()})")
-        elif kind == "csv" and not Path(arg).expanduser().is_file():
-            raise _bad("dataset", self.dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
-        elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
-            raise _bad("dataset", self.dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
+        self._check_dataset_path("dataset", self.dataset)
         for entry in self.site_dataset_list:
-            kind, _, arg = entry.partition(":")
-            if kind == "medmnist" and not any(p.is_file() for p in [Path(self.data_dir).expanduser() / f"{arg}.npz",
-                                                                    *Path(self.data_dir).expanduser().glob(f"{arg}_*.npz")]):
-                raise _bad("site-datasets", entry, f"no file {Path(self.data_dir).expanduser().resolve() / (arg + '.npz')}")
+            self._check_dataset_path("site-datasets", entry)
         if self.strategy == "sift" and self.head != "linear":
             if self.class_embeddings and not Path(self.class_embeddings).expanduser().is_file():
                 raise _bad("class-embeddings", self.class_embeddings,
@@ -476,9 +467,22 @@ class ExperimentConfig:
                 raise _bad("text-encoder", self.text_encoder,
                            f"folder {Path(self.text_encoder).expanduser().resolve()} does not exist")
 
+    def _check_dataset_path(self, key: str, dataset: str) -> None:
+        kind, _, arg = dataset.partition(":")
+        if kind == "medmnist":
+            data_dir = Path(self.data_dir).expanduser()
+            candidates = [data_dir / f"{arg}.npz"] + sorted(data_dir.glob(f"{arg}_*.npz"))
+            if not any(p.is_file() for p in candidates):
+                raise _bad(key, dataset,
+                           f"no file {candidates[0]} (data-dir = {self.data_dir!r}, absolute: {data_dir.resolve()})")
+        elif kind == "csv" and not Path(arg).expanduser().is_file():
+            raise _bad(key, dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
+        elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
+            raise _bad(key, dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
+
     @property
     def _masks_in_source(self) -> bool:
-        return self.dataset.split(":", 1)[0] in SEGMENTATION_KINDS
+        return _holds_masks(self.dataset)
 
     @property
     def model_task(self) -> str:
@@ -517,9 +521,7 @@ class ExperimentConfig:
     def model_adapter(self) -> str:
         """The adapter the run trains: the class-incremental strategies pick their q/k adapter, the sub-model
         strategies train the whole encoder."""
-        if self.strategy in SUBMODEL_STRATEGIES:
-            return "full"
-        return INCREMENTAL_ADAPTERS.get(self.strategy, self.adapter)
+        return STRATEGY_ADAPTERS.get(self.strategy, self.adapter)
 
     def server_class_names(self, num_classes: int) -> list[str]:
         """The class names as the server sees them: with dataset='site' they live on the sites only, so

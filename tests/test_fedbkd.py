@@ -136,6 +136,10 @@ def test_bad_capacities_and_task_mixes_are_named(tiny):
         check(strategy="fedbkd", task="segmentation", dataset="synthetic-seg", **{"site-datasets": "synthetic-seg,synthetic"})
     with pytest.raises(ConfigError, match="entry 'synthtic'"):
         check(strategy="fedbkd", **{"site-datasets": "synthetic,synthtic"})
+    with pytest.raises(ConfigError, match=r"'site-datasets' = 'medmnist:nope'.*no file"):
+        check(strategy="fedbkd", **{"site-datasets": "synthetic,medmnist:nope", "data-dir": "/nonexistent"})
+    with pytest.raises(ConfigError, match="trains adapter 'full'"):
+        check(strategy="fedbkd", adapter="ia3")
     assert check(strategy="fedbkd").model_spec().adapter == "full"
     cfg = check(strategy="fedbkd", **{"site-datasets": "synthetic-seg,synthetic,synthetic-seg"})
     assert cfg.site_dataset(2, 3) == ("synthetic-seg", 1, 2) and cfg.site_dataset(1, 3) == ("synthetic", 0, 1)

@@ -493,8 +493,9 @@ class ClientRuntime:
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, "OrderedDict[str, np.ndarray]"]:
         num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
-        spec = dataclasses.replace(self.cfg.model_spec(self.data.class_names), task=self.data.task)
-        return _cached_model(dataclasses.replace(spec, **self.model_overrides), num_classes)
+        spec = dataclasses.replace(self.cfg.model_spec(self.data.class_names),
+                                   **{"task": self.data.task, **self.model_overrides})
+        return _cached_model(spec, num_classes)
 
     @property
     def model(self) -> AdaptedModel:

@@ -39,7 +39,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from torch import nn
 
 from ..models.ffn_slices import (covered_merge, extract_subnetwork, feature_spread, ffn_modules, ffn_saliency,
-                                 kept_count, linear_cka, select_neurons)
+                                 ffn_slice_axes, kept_count, linear_cka, select_neurons)
 from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record
 from .fedavg import proximal_term
 
@@ -205,10 +205,9 @@ class SubModelStrategy(FederatedStrategy):
         capacity = self.capacity(node_id)
         spec: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict()
         for name, (shape, dtype) in self.spec.items():
-            ffn = next((f for f in self.ffn_width if name.startswith(f + ".fc")), None)
-            if ffn is not None and not name.endswith("fc2.bias"):
-                k = kept_count(self.ffn_width[ffn], capacity)
-                shape = (k, *shape[1:]) if ".fc1." in name else (shape[0], k)
+            if (sliced := ffn_slice_axes(name, self.ffn_width)) is not None:
+                ffn, axis = sliced
+                shape = tuple(kept_count(self.ffn_width[ffn], capacity) if i == axis else n for i, n in enumerate(shape))
             spec[name] = (shape, dtype)
         for ffn, width in self.ffn_width.items():
             spec[KEPT + ffn] = ((kept_count(width, capacity),), "int64")

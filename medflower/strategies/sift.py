@@ -138,7 +138,8 @@ class SiFT(FederatedStrategy):
         for position in range(self.position, len(order)):
             self.hop(grid, rnd, position, node_of.get(order[position]))
         self.position, self.partial = 0, []
-        evaluation = {n: RecordDict({"arrays": to_record(self.inference_arrays()), "config": self.base_config(rnd)})
+        inference = self.inference_arrays()
+        evaluation = {n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
                       for n in self.ordered_nodes()}
         for reply in self.exchange(grid, "evaluate", evaluation, rnd):
             self.recorder.log_client(rnd, reply.client, "eval", reply.metrics)
