@@ -129,7 +129,7 @@ INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstac
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
 # Sub-model strategies (DESIGN 3.5): a width-reduced encoder per site; only the encoder is shared, so sites
 # may hold different tasks (site-datasets).
-SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local")
+SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local", "ditto")
 FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
 # Strategies that pick their own adapter (the run's 'adapter' must be left at its default).
 STRATEGY_ADAPTERS = {**INCREMENTAL_ADAPTERS, **{s: "full" for s in SUBMODEL_STRATEGIES}}
@@ -268,9 +268,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("text-encoder", "", "sift: local transformers model folder (e.g. BioLinkBERT-large) that encodes class-texts; nothing is downloaded", None, "sift"),
     Option("class-texts", "", "sift: one text per class, separated by ';' (empty = the class names)", None, "sift"),
     # --- FedBKD and the sub-model baselines
-    Option("fedbkd-capacities", "", "fedbkd/heterofl/fedrolex/feddrop: share of FFN neurons each site keeps, by partition id, e.g. '0.5,0.25,0.125'; empty = 1 (a node-config capacity wins)", None, "fedbkd", _capacities),
+    Option("fedbkd-capacities", "", "fedbkd and its sub-model baselines: share of FFN neurons each site keeps, by partition id, e.g. '0.5,0.25,0.125'; empty = 1 (a node-config capacity wins)", None, "fedbkd", _capacities),
     Option("fedbkd-lambda", 1.0, "fedbkd: weight of the alignment loss lambda*(1 - CKA(sub-encoder, global encoder))", non_negative, "fedbkd"),
     Option("fedbkd-eigen", "trace", "fedbkd: mu_k of the merge weights, from the covariance of the site's features", one_of("trace", "top"), "fedbkd"),
+    Option("ditto-lambda", 0.1, "ditto: weight lambda of the personal model's pull (lambda/2)*||v - w_global||^2 towards the received sub-encoder", non_negative, "fedbkd"),
     Option("fedbkd-variant", "full", "fedbkd: full, ase-only (saliency sub-models, no CKA, n_k weights), fco-only (prefix sub-models with CKA and eigenvalue weights)", one_of(*FEDBKD_VARIANTS), "fedbkd"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
@@ -386,6 +387,7 @@ class ExperimentConfig:
     fedbkd_lambda: float
     fedbkd_eigen: str
     fedbkd_variant: str
+    ditto_lambda: float
     device: str
 
     @classmethod

@@ -180,6 +180,41 @@ def test_fedprox_with_capacities_pulls_only_the_shared_encoder():
     assert model.dec.grad is None
 
 
+def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_the_received_encoder(tiny, monkeypatch):
+    captured = capture(monkeypatch)
+    pulls = []  # (site, round, personal model's arrays when its training starts, anchor, λ)
+    original = fedbkd.proximal_term
+
+    def spy(model, anchor, mu):
+        pulls.append((model.get_trainable(), {k: v.cpu().numpy().copy() for k, v in anchor.items()}, mu))
+        return original(model, anchor, mu)
+
+    monkeypatch.setattr(fedbkd, "proximal_term", spy)
+    config = tiny(**{**MIXED, "strategy": "ditto", "run-name": "ditto", "ditto-lambda": 0.5})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    assert "dice" in summary["per_client"]["client-1"] and "accuracy" in summary["per_client"]["client-2"]
+    from safetensors.numpy import load_file
+    folder = Path(config["output-dir"]) / "ditto" / "client-state" / "partition-1" / "submodel"
+    saved = [load_file(str(folder / f"round-{r}.safetensors")) for r in (1, 2)]
+    reply = {rnd: next(r for r in captured[rnd][0] if r.client == "client-1") for rnd in (1, 2)}
+    fc1 = FFN + ".fc1.weight"
+    for rnd in (1, 2):
+        np.testing.assert_array_equal(reply[rnd].arrays["kept/" + FFN], np.arange(96))  # HeteroFL's prefix
+        assert reply[rnd].arrays[fc1].shape == (96, 192)
+        assert not any(k.startswith(("decoder.", "head.", "global-path/")) for k in reply[rnd].arrays)
+        # what the site sent is its global-model update, not its personal model (which stays home)
+        assert not np.allclose(reply[rnd].arrays[fc1], saved[rnd - 1][fc1])
+        heads = {k for k in saved[rnd - 1] if k.startswith("global-path/")}
+        assert heads and {k[len("global-path/"):] for k in heads} == {
+            k for k in saved[rnd - 1] if not k.startswith(("backbone.", "kept/", "global-path/"))}
+    assert len(pulls) == 6  # one personal update per site and round
+    start, anchor, mu = pulls[3 + 1]  # round 2, partition 1 (sites train in partition order in-process)
+    assert mu == 0.5
+    np.testing.assert_array_equal(start[fc1], saved[0][fc1])  # the personal model goes on from round 1
+    merged = captured[1][2]  # the global encoder after round 1, cut to the site's prefix: w^t of round 2
+    np.testing.assert_allclose(anchor[fc1], merged[fc1][:96], rtol=1e-6)
+
+
 @pytest.fixture
 def replies_of_train(monkeypatch):
     from medflower.inprocess import InProcessGrid

@@ -1,4 +1,4 @@
-"""FedBKD (seed 003, DESIGN 3.5) and the width-scaling baselines HeteroFL, FedRolex and FedDrop.
+"""FedBKD (seed 003, DESIGN 3.5) and its baselines with the same capacities (HeteroFL, FedRolex, FedDrop, ...).
 
 Every site trains a sub-encoder of the server's ViT: each transformer block's FFN keeps ⌈β_k·d_ffn⌉ of its
 hidden neurons (``models/ffn_slices.py``), the rest of the encoder stays whole. β_k is the site's capacity:
@@ -20,6 +20,9 @@ Merge: slices go back to their global indices; each entry is Σ_k w_k θ_k / Σ_
 site covers keep their value. ``fedbkd``: w_k ∝ μ_k, the trace (or top eigenvalue, ``fedbkd-eigen``) of the
 covariance of the site's encoder features after training (Eqs. 6-7); the baselines: w_k ∝ n_k (HeteroFL's
 averaging over the clients that hold each entry). With β = 1 everywhere the merge is weighted FedAvg.
+
+Capacity baselines beside those: ``submodel-fedprox`` (prefix + a proximal term), ``submodel-local`` (no
+merge; the Δm reference) and ``ditto`` (prefix + a personal sub-model per site, Li et al. 2021).
 
 Ablations (``fedbkd-variant``, the paper's Table 2): ``ase-only`` (top-ψ sub-models, no CKA, n_k weights),
 ``fco-only`` (prefix sub-models, CKA and eigenvalue weights).
@@ -45,6 +48,7 @@ from .fedavg import proximal_term
 
 ENCODER = "backbone."  # the shared part: every encoder array; decoders and heads stay on the sites
 KEPT = "kept/"  # kept neuron indices travel as "kept/<ffn module name>" int64 arrays
+GLOBAL_PATH = "global-path/"  # Ditto: the decoder/head its global-model update trains, saved beside the personal model
 
 
 def capacity_of(runtime) -> float:
@@ -111,7 +115,7 @@ class SubModelClient(ClientHalf):
         """The site's sub-model as it left its last training (sub-encoder and decoder/head), and its kept neurons."""
         kept = OrderedDict((k[len(KEPT):], v) for k, v in saved.items() if k.startswith(KEPT))
         sub = extract_subnetwork(self.rt.model, kept)
-        sub.set_trainable({k: v for k, v in saved.items() if not k.startswith(KEPT)})
+        sub.set_trainable({k: v for k, v in saved.items() if not k.startswith((KEPT, GLOBAL_PATH))})
         return sub, kept
 
     def train(self, message: Message) -> RecordDict:
@@ -120,30 +124,43 @@ class SubModelClient(ClientHalf):
         model.set_trainable(rt.initial_arrays)  # the task module's seeded init, unless the site has its own
         previous = self.personal().load(before=rt.round)
         capacity = capacity_of(rt)
+        ditto = float(rt.config.get("ditto-lambda", 0.0))
         if rt.config.get("local-only") and previous is not None:  # submodel-local: the site's own model goes on
             sub, kept = self.restore(previous)
         else:
             if "arrays" in message.content.array_records:
                 model.set_trainable(from_record(message.content["arrays"]), strict=False)
-            if previous is not None:
-                model.set_trainable({k: v for k, v in previous.items() if not k.startswith((ENCODER, KEPT))},
-                                    strict=False)
+            if previous is not None:  # the site's decoder/head (Ditto: the one its global-model update trains)
+                model.set_trainable(_task_module(previous, GLOBAL_PATH if ditto > 0 else ""), strict=False)
             kept = self.kept_neurons(model, capacity)
             sub = extract_subnetwork(model, kept)
         weight = float(rt.config.get("alignment-weight", 0.0))
         mu = float(rt.config.get("proximal-mu", 0.0))
+        received = {}  # the global sub-encoder as it arrived: FedProx's and Ditto's anchor
+        if mu > 0 or ditto > 0:
+            received = {k: torch.as_tensor(v, device=rt.device) for k, v in sub.get_trainable().items()
+                        if k.startswith(ENCODER)}
+        personal = None
+        if ditto > 0:  # Ditto's personal model: its own last one, or (first round, new capacity) the received one
+            same = previous is not None and all(np.array_equal(previous.get(KEPT + n), i) for n, i in kept.items())
+            personal = self.restore(previous)[0] if same else extract_subnetwork(model, kept)
         if weight > 0:
             aligned = FeatureAligned(sub, model.eval())
             metrics = rt.train_local(lambda *_: weight * (1.0 - aligned.alignment), model=aligned)
         elif mu > 0:  # FedProx on the shared part only: the decoder/head never leaves the site
-            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in sub.get_trainable().items()
-                      if k.startswith(ENCODER)}
-            metrics = rt.train_local(proximal_term(sub, anchor, mu), model=sub)
+            metrics = rt.train_local(proximal_term(sub, received, mu), model=sub)
         else:
             metrics = rt.train_local(model=sub)
         arrays = sub.get_trainable()
         kept_arrays = OrderedDict((KEPT + name, idx) for name, idx in kept.items())
-        self.personal().save(rt.round, OrderedDict([*arrays.items(), *kept_arrays.items()]))
+        if personal is None:
+            saved = arrays
+        else:  # Ditto (Li et al. 2021, Alg. 1): v_k ← v_k − η(∇F_k(v_k) + λ(v_k − w^t)), w^t the received encoder
+            metrics = {**{f"global-path-{k}": v for k, v in metrics.items()},
+                       **rt.train_local(proximal_term(personal, received, ditto), model=personal)}
+            saved = OrderedDict([*personal.get_trainable().items(),
+                                 *((GLOBAL_PATH + k, v) for k, v in _task_module(arrays).items())])
+        self.personal().save(rt.round, OrderedDict([*saved.items(), *kept_arrays.items()]))
         metrics.update({"num-examples": len(rt.data.train), "capacity": capacity})
         if "eigen" in rt.config:  # FedBKD's merge weight; the baselines weigh by n_k
             metrics["feature-spread"] = self.spread(sub, str(rt.config["eigen"]))
@@ -166,6 +183,12 @@ class SubModelClient(ClientHalf):
         if saved is None:
             return self.reply(metrics={})
         return self.reply(metrics=rt.evaluate_splits(model=self.restore(saved)[0]))
+
+
+def _task_module(saved: dict[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarray]:
+    """The decoder/head arrays saved under ``prefix`` (not the encoder, not the kept indices)."""
+    return {k[len(prefix):]: v for k, v in saved.items()
+            if k.startswith(prefix) and not k[len(prefix):].startswith((ENCODER, KEPT, GLOBAL_PATH))}
 
 
 class SubModelStrategy(FederatedStrategy):
@@ -328,3 +351,19 @@ class SubModelLocal(SubModelStrategy):
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
         """Nothing to merge: each site keeps its own model."""
+
+
+class Ditto(SubModelStrategy):
+    """Ditto (Li et al. 2021) with the same capacities: each site updates HeteroFL's prefix sub-encoder of the
+    global one with a decoder/head of its own (merged like HeteroFL), and also trains a personal sub-model
+    pulled towards the received sub-encoder by (λ/2)·‖v − w‖² (``ditto-lambda``); sites are evaluated on it.
+
+    Leaves a site: its global-model update's sub-encoder arrays, the kept neuron indices, n_k; the personal
+    model never.
+    """
+
+    name = "ditto"
+    selection = "prefix"
+
+    def method_config(self) -> dict[str, Any]:
+        return {**super().method_config(), "ditto-lambda": self.cfg.ditto_lambda}
