@@ -9,6 +9,7 @@ File layout::
     seeds: [0, 1, 2]
     metrics: [auc, accuracy]       # columns of the table (default auc, accuracy, balanced_accuracy)
     per-client: false              # true: also one table per metric with every site's value
+    reference: local               # optional, with per-client: each run's Δm against this run (below)
     targets:                       # optional: rounds until the mean over sites first reaches each value
       metric: balanced_accuracy
       values: [0.55, 0.65, 0.75]
@@ -21,6 +22,8 @@ Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mod
 this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
 over seeds of the final mean-over-clients metrics, bytes per round) and ``curves.png``.
+Δm (FedBKD's Table 1): the mean over sites of (site's value − the reference run's value for that
+site), in points (×100), per metric, over the sites that report the metric in both runs.
 """
 
 from __future__ import annotations
@@ -78,7 +81,16 @@ def load_plan(path: Path) -> dict[str, Any]:
                 ExperimentConfig.from_run_config({**defaults(), **run_config(plan, run, seed, Path("."))}, check_paths=True)
             except ConfigError as err:
                 raise ExperimentFileError(f"{path}: run {run['name']!r}: {err}") from err
+    if plan.get("reference") is not None and plan["reference"] not in names:
+        raise ExperimentFileError(f"{path}: 'reference' {plan['reference']!r} is not one of the runs "
+                                  f"({', '.join(sorted(names))})")
     return plan
+
+
+def delta_m(row: dict[str, float | None], reference: dict[str, float | None]) -> float | None:
+    """FedBKD's Δm: mean over the sites in both of (value − reference value), in points (×100)."""
+    diffs = [row[c] - reference[c] for c in row if row[c] is not None and reference.get(c) is not None]
+    return 100.0 * statistics.fmean(diffs) if diffs else None
 
 
 def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
@@ -158,10 +170,14 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         per_client[run["name"]] = {m: {c: _mean_std(v)[0] for c, v in sorted(by.items())} for m, by in clients.items()}
     result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table,
               "per_client": per_client}
+    if plan.get("reference") is not None:
+        reference = per_client[plan["reference"]]
+        result["delta_m"] = {name: {m: delta_m(by, reference.get(m, {})) for m, by in row.items()}
+                             for name, row in per_client.items()}
     (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
     markdown = comparison_markdown(plan, table)
     if plan.get("per-client"):
-        markdown += per_client_markdown(plan, per_client)
+        markdown += per_client_markdown(plan, per_client, result.get("delta_m"))
     (out_dir / "comparison.md").write_text(markdown)
     plot_overlay(plan, out_dir)
     return result
@@ -211,17 +227,24 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any]) -> str:
-    """One table per metric: runs as rows, sites as columns (mean over seeds), plus the mean over sites."""
+def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
+                        deltas: dict[str, dict[str, float | None]] | None = None) -> str:
+    """One table per metric: runs as rows, sites as columns (mean over seeds), plus the mean over sites and,
+    with a ``reference`` run, Δm against it."""
     out = []
     for metric in plan["metrics"]:
         clients = sorted({c for row in per_client.values() for c in row.get(metric, {})})
+        extra = [f"Δm vs {plan['reference']} (points)"] if deltas is not None else []
         out += ["", f"{metric} per site (mean over seeds {plan['seeds']}):", "",
-                "| run | " + " | ".join(clients) + " | mean |", "|---|" + "---|" * (len(clients) + 1)]
+                "| run | " + " | ".join(clients + ["mean"] + extra) + " |",
+                "|---|" + "---|" * (len(clients) + 1 + len(extra))]
         for name, row in per_client.items():
             values = [row.get(metric, {}).get(c) for c in clients]
-            mean = _mean_std(values)[0]
-            out.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in values + [mean]) + " |")
+            cells = ["–" if v is None else f"{v:.3f}" for v in values + [_mean_std(values)[0]]]
+            if deltas is not None:
+                delta = deltas[name].get(metric)
+                cells.append("–" if delta is None else f"{delta:+.2f}")
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
