@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from medflower.experiments import ExperimentFileError, load_plan, main, rounds_to_targets
+from medflower.experiments import delta_m, ExperimentFileError, load_plan, main, rounds_to_targets
 
 TINY_BASE = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
              "num-rounds": 2, "partition": "iid"}
@@ -27,13 +27,15 @@ def test_bad_files_name_the_run_and_key(tmp_path):
         load_plan(write_yaml(tmp_path / "b.yaml", bad))
     with pytest.raises(ExperimentFileError, match="'targets' needs a metric name"):
         load_plan(write_yaml(tmp_path / "d.yaml", {"targets": [0.5], "runs": [{"name": "a"}]}))
+    with pytest.raises(ExperimentFileError, match="'reference' 'locl' is not one of the runs"):
+        load_plan(write_yaml(tmp_path / "e.yaml", {"reference": "locl", "runs": [{"name": "local"}]}))
     with pytest.raises(ExperimentFileError, match="appears twice"):
         load_plan(write_yaml(tmp_path / "c.yaml", {"runs": [{"name": "a"}, {"name": "a"}]}))
 
 
 def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     plan = {"name": "mini", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["auc", "accuracy"], "per-client": True,
-            "targets": {"metric": "auc", "values": [0.0, 1.01]}, "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
+            "reference": "local", "targets": {"metric": "auc", "values": [0.0, 1.01]}, "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
     path = write_yaml(tmp_path / "mini.yaml", plan)
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
     out = tmp_path / "out" / "mini"
@@ -54,9 +56,19 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     site_auc = [json.loads((out / f"local-seed{s}" / "summary.json").read_text())["per_client"]["site-1"]["auc"]
                 for s in (0, 1)]
     assert result["per_client"]["local"]["auc"]["site-1"] == pytest.approx(sum(site_auc) / 2)
-    assert "auc per site" in table and "| run | site-0 | site-1 | mean |" in table
+    assert "auc per site" in table and "| run | site-0 | site-1 | mean | Δm vs local (points) |" in table
+    fedavg, local = result["per_client"]["fedavg"]["auc"], result["per_client"]["local"]["auc"]
+    assert result["delta_m"]["local"]["auc"] == 0.0
+    assert result["delta_m"]["fedavg"]["auc"] == pytest.approx(50.0 * sum(fedavg[c] - local[c] for c in local))
     assert (out / "curves.png").stat().st_size > 1000
     assert "comparison.md" in capsys.readouterr().out
+
+
+def test_delta_m_averages_each_sites_change_over_the_sites_both_runs_report():
+    reference = {"seg-a": 0.70, "seg-b": 0.80, "cls": None}
+    assert delta_m({"seg-a": 0.75, "seg-b": 0.78, "cls": None}, reference) == pytest.approx(1.5)  # (+5 − 2) / 2
+    assert delta_m({"seg-a": None, "seg-b": 0.90}, reference) == pytest.approx(10.0)
+    assert delta_m({"cls": 0.5}, reference) is None
 
 
 def test_rounds_to_a_target_use_the_mean_over_sites_of_each_round():
@@ -65,3 +77,22 @@ def test_rounds_to_a_target_use_the_mean_over_sites_of_each_round():
              {"round": 3, "client": "a", "m": 0.9}, {"round": 3, "client": "b", "m": 0.5}]
     plan = {"targets": {"metric": "m", "values": [0.6, 0.7, 0.75]}}
     assert rounds_to_targets(plan, evals) == {"0.6": 1, "0.7": 2, "0.75": None}
+
+
+def test_the_pretrained_encoder_stand_in_is_what_a_run_loads(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from medflower.models.backbones import create_backbone
+    from medflower.pretrain import main as pretrain
+
+    out = tmp_path / "encoder.safetensors"
+    assert pretrain(["--out", str(out), "--size", "80", "--epochs", "2", "--img-size", "16", "--batch-size", "16"]) == 0
+    assert "dice" in capsys.readouterr().out  # per-epoch validation of the segmentation pretraining
+    with safe_open(str(out), "pt") as f:
+        history = json.loads(f.metadata()["pretraining"])["history"]
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert [h["epoch"] for h in history] == [1, 2] and all("dice" in h for h in history)
+    model, source = create_backbone("vit_tiny_patch16_224", img_size=16, patch_size=8, weights=str(out), seed=7)
+    assert source == f"file:{out}" and not any(k.startswith(("head.", "decoder.")) for k in saved)
+    for name, tensor in model.state_dict().items():
+        assert name in saved and bool((tensor == saved[name]).all()), name
