@@ -270,7 +270,7 @@ OPTIONS: tuple[Option, ...] = (
     # --- FedBKD and the sub-model baselines
     Option("fedbkd-capacities", "", "fedbkd and its sub-model baselines: share of FFN neurons each site keeps, by partition id, e.g. '0.5,0.25,0.125'; empty = 1 (a node-config capacity wins)", None, "fedbkd", _capacities),
     Option("fedbkd-lambda", 1.0, "fedbkd: weight of the alignment loss lambda*(1 - CKA(sub-encoder, global encoder))", non_negative, "fedbkd"),
-    Option("fedbkd-eigen", "trace", "fedbkd: mu_k of the merge weights, from the covariance of the site's features", one_of("trace", "top"), "fedbkd"),
+    Option("fedbkd-eigen", "trace", "fedbkd: mu_k of the merge weights, from the covariance of the site's features; none = weigh by n_k (a diagnostic, not the paper's)", one_of("trace", "top", "none"), "fedbkd"),
     Option("ditto-lambda", 0.1, "ditto: weight lambda of the personal model's pull (lambda/2)*||v - w_global||^2 towards the received sub-encoder", non_negative, "fedbkd"),
     Option("fedbkd-variant", "full", "fedbkd: full, ase-only (saliency sub-models, no CKA, n_k weights), fco-only (prefix sub-models with CKA and eigenvalue weights)", one_of(*FEDBKD_VARIANTS), "fedbkd"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),

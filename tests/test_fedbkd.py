@@ -68,6 +68,17 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
     assert server["merge_weights"] == pytest.approx({c: round(v, 6) for c, v in w.items()}, abs=1e-6)
 
 
+def test_without_eigenvalue_weights_fedbkd_merges_by_site_size(tiny, monkeypatch):
+    captured = capture(monkeypatch)
+    config = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "nk", "num-rounds": 1, "fedbkd-eigen": "none"})
+    run_inprocess(config, num_nodes=3)
+    replies = captured[1][0]
+    assert all("feature-spread" not in r.metrics for r in replies)  # no μ_k computed
+    sizes = {r.client: r.num_examples for r in replies}
+    server = records(Path(config["output-dir"]) / "nk", "server")[0]
+    assert server["merge_weights"] == pytest.approx({c: n / sum(sizes.values()) for c, n in sizes.items()}, abs=1e-6)
+
+
 def test_segmentation_and_classification_sites_share_only_the_encoder(tiny):
     config = tiny(**{**MIXED, "strategy": "heterofl", "run-name": "mixed"})
     summary, _ = run_inprocess(config, num_nodes=3)

@@ -274,12 +274,17 @@ class FedBKD(SubModelStrategy):
         variant = self.cfg.fedbkd_variant
         config = {"selection": "prefix" if variant == "fco-only" else "saliency",
                   "alignment-weight": 0.0 if variant == "ase-only" else self.cfg.fedbkd_lambda}
-        if variant != "ase-only":  # ase-only weighs by n_k: no μ_k to compute
+        if self.weighs_by_spread:  # otherwise the merge weighs by n_k: no μ_k to compute
             config["eigen"] = self.cfg.fedbkd_eigen
         return config
 
+    @property
+    def weighs_by_spread(self) -> bool:
+        """w_k ∝ μ_k (Eq. 7), unless ``ase-only`` or ``fedbkd-eigen='none'`` (the diagnostic) weigh by n_k."""
+        return self.cfg.fedbkd_variant != "ase-only" and self.cfg.fedbkd_eigen != "none"
+
     def merge_weight(self, reply: Reply) -> float:
-        if self.cfg.fedbkd_variant == "ase-only":
+        if not self.weighs_by_spread:
             return reply.num_examples
         return max(float(reply.metrics.get("feature-spread", 0.0)), 1e-12)
 
