@@ -28,7 +28,7 @@ from .training.loops import OptimizerSpec, evaluate, train_epochs
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m medflower.pretrain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("outputs/weights/vit-tiny-32-synthetic-seg.safetensors"))
     parser.add_argument("--dataset", default="synthetic-seg", choices=("synthetic-seg", "synthetic"))
     parser.add_argument("--backbone", default="vit-tiny")
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     data = load_client_data(DataSpec(dataset=args.dataset, partition="iid", img_size=args.img_size, seed=args.data_seed,
                                      synthetic_size=args.size, val_fraction=0.1, test_fraction=0.1), 0, 1)
     spec = ModelSpec(backbone=args.backbone, adapter="full", img_size=args.img_size, patch_size=args.patch_size,
-                     weights="none", seed=args.data_seed,
-                     task="segmentation" if args.dataset == "synthetic-seg" else "classification")
+                     weights="none", seed=args.data_seed, task=data.task)
     model = build_model(spec, data.num_classes)
     history = []
 
@@ -54,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         metrics = evaluate(model, make_loader(data.val, args.batch_size, False, 0), device, data.class_names)
         history.append({"epoch": epoch, **{k: round(v, 4) for k, v in metrics.items()}})
         print(json.dumps(history[-1]), flush=True)
-        model.train()
 
     torch.manual_seed(args.data_seed)
     train_epochs(model, make_loader(data.train, args.batch_size, True, args.data_seed), epochs=args.epochs,

@@ -226,6 +226,15 @@ def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_
     np.testing.assert_allclose(anchor[fc1], merged[fc1][:96], rtol=1e-6)
 
 
+def test_ditto_with_lambda_zero_still_keeps_a_personal_model(tiny):
+    config = tiny(**{**MIXED, "strategy": "ditto", "run-name": "ditto0", "ditto-lambda": 0.0, "num-rounds": 1})
+    run_inprocess(config, num_nodes=3)
+    from safetensors.numpy import load_file
+    saved = load_file(str(Path(config["output-dir"]) / "ditto0" / "client-state" / "partition-2" / "submodel"
+                          / "round-1.safetensors"))
+    assert any(k.startswith("global-path/") for k in saved)  # the personal model beside the global path's head
+
+
 @pytest.fixture
 def replies_of_train(monkeypatch):
     from medflower.inprocess import InProcessGrid

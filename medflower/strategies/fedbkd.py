@@ -124,24 +124,24 @@ class SubModelClient(ClientHalf):
         model.set_trainable(rt.initial_arrays)  # the task module's seeded init, unless the site has its own
         previous = self.personal().load(before=rt.round)
         capacity = capacity_of(rt)
-        ditto = float(rt.config.get("ditto-lambda", 0.0))
+        ditto = "ditto-lambda" in rt.config  # Ditto keeps a personal model, even with λ = 0 (purely local then)
         if rt.config.get("local-only") and previous is not None:  # submodel-local: the site's own model goes on
             sub, kept = self.restore(previous)
         else:
             if "arrays" in message.content.array_records:
                 model.set_trainable(from_record(message.content["arrays"]), strict=False)
             if previous is not None:  # the site's decoder/head (Ditto: the one its global-model update trains)
-                model.set_trainable(_task_module(previous, GLOBAL_PATH if ditto > 0 else ""), strict=False)
+                model.set_trainable(_task_module(previous, GLOBAL_PATH if ditto else ""), strict=False)
             kept = self.kept_neurons(model, capacity)
             sub = extract_subnetwork(model, kept)
         weight = float(rt.config.get("alignment-weight", 0.0))
         mu = float(rt.config.get("proximal-mu", 0.0))
         received = {}  # the global sub-encoder as it arrived: FedProx's and Ditto's anchor
-        if mu > 0 or ditto > 0:
+        if mu > 0 or ditto:
             received = {k: torch.as_tensor(v, device=rt.device) for k, v in sub.get_trainable().items()
                         if k.startswith(ENCODER)}
         personal = None
-        if ditto > 0:  # Ditto's personal model: its own last one, or (first round, new capacity) the received one
+        if ditto:  # Ditto's personal model: its own last one, or (first round, new capacity) the received one
             same = previous is not None and all(np.array_equal(previous.get(KEPT + n), i) for n, i in kept.items())
             personal = self.restore(previous)[0] if same else extract_subnetwork(model, kept)
         if weight > 0:
@@ -157,7 +157,7 @@ class SubModelClient(ClientHalf):
             saved = arrays
         else:  # Ditto (Li et al. 2021, Alg. 1): v_k ← v_k − η(∇F_k(v_k) + λ(v_k − w^t)), w^t the received encoder
             metrics = {**{f"global-path-{k}": v for k, v in metrics.items()},
-                       **rt.train_local(proximal_term(personal, received, ditto), model=personal)}
+                       **rt.train_local(proximal_term(personal, received, float(rt.config["ditto-lambda"])), model=personal)}
             saved = OrderedDict([*personal.get_trainable().items(),
                                  *((GLOBAL_PATH + k, v) for k, v in _task_module(arrays).items())])
         self.personal().save(rt.round, OrderedDict([*saved.items(), *kept_arrays.items()]))
