@@ -1,7 +1,7 @@
 """Typed, validated experiment configuration.
 
 Every run-config key lives in ``OPTIONS`` (default, type, check, help). The same table
-feeds ``pyproject.toml``'s defaults check, the README table (``python -m medflower.config``)
+feeds ``pyproject.toml``'s defaults check, docs/run-config.md (``python -m medflower.config --write``)
 and validation: a bad value stops the run before any training with one message that names
 the key, the bad value and what is valid.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .data import PARTITIONS, SOURCE_KINDS, DataSpec, describe_source
-from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS
+from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS, supported_partitions
 from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
@@ -124,10 +124,10 @@ def _parse_lat_layers(v: Any) -> int | str:
 
 
 CONTINUAL_STRATEGIES = ("fedkei",)  # strategies that walk a task stream instead of rounds
-# Class-incremental strategies (DESIGN 3.3) and the q/k adapter each one trains.
+# Class-incremental strategies (docs/methods/pfedmxf.md) and the q/k adapter each one trains.
 INCREMENTAL_ADAPTERS = {"pfedmxf": "fourier", "fedavg-lora": "lora-qk", "fedstack": "lora-qk"}
 FEDKEI_VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
-# Sub-model strategies (DESIGN 3.5): a width-reduced encoder per site; only the encoder is shared, so sites
+# Sub-model strategies (docs/methods/fedbkd.md): a width-reduced encoder per site; only the encoder is shared, so sites
 # may hold different tasks (site-datasets).
 SUBMODEL_STRATEGIES = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local", "ditto")
 FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
@@ -135,7 +135,7 @@ FEDBKD_VARIANTS = ("full", "ase-only", "fco-only")
 STRATEGY_ADAPTERS = {**INCREMENTAL_ADAPTERS, **{s: "full" for s in SUBMODEL_STRATEGIES}}
 # Strategies that can train the whole backbone (adapter='full'); the others select adapters by name.
 FULL_MODEL_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "local", "sift", *SUBMODEL_STRATEGIES)
-# SiFT's ablations (DESIGN 3.4) and the head each one builds.
+# SiFT's ablations (docs/methods/sift.md) and the head each one builds.
 SIFT_HEADS = {"full": "text", "single": "text", "trainable-head": "linear", "random-head": "random",
               "trainable-proj": "text"}
 
@@ -231,6 +231,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("sgca-alpha", 0.8, "sgca: weight alpha of the distance term in the aggregation QP", non_negative, "sgca"),
     Option("sgca-beta", 0.01, "sgca: weight beta of the client's -cos(theta, aggregate) term", non_negative, "sgca"),
     Option("sgca-metric", "l2", "sgca: adapter distance (similarities enter as D = -sim)", one_of("l2", "l1", "cosine", "inner"), "sgca"),
+    Option("sgca-distance-scale", "row-max", "sgca: how distances are made unit-free; row-max = each row divided by its largest entry, median = the whole matrix divided by the median off-diagonal distance (a site far from everyone then keeps more of its own adapter)", one_of("row-max", "median"), "sgca"),
     Option("sgca-solver", "cvxpy", "sgca: QP solver; closed-form = projection onto the simplex", one_of("cvxpy", "closed-form"), "sgca"),
     # --- continual task streams (fedkei)
     Option("num-tasks", 0, "continual runs: tasks to walk; 0 = one per class after the first of the order", non_negative, "continual"),
@@ -352,6 +353,7 @@ class ExperimentConfig:
     sgca_alpha: float
     sgca_beta: float
     sgca_metric: str
+    sgca_distance_scale: str
     sgca_solver: str
     num_tasks: int
     task_classes: str
@@ -397,7 +399,7 @@ class ExperimentConfig:
         if unknown:
             key = unknown[0]
             close = difflib.get_close_matches(key, OPTION_BY_KEY, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else "see the README's run-config table"
+            hint = f"did you mean {', '.join(close)}?" if close else "see docs/run-config.md"
             raise ConfigError(f"run-config key '{key}' is unknown: {hint}")
         values: dict[str, Any] = {}
         for option in OPTIONS:
@@ -451,6 +453,12 @@ class ExperimentConfig:
                        f"only the sub-model strategies ({', '.join(SUBMODEL_STRATEGIES)}) share just the encoder")
         if len(tasks) > 1 and self.task != "auto":
             raise _bad("task", self.task, "site-datasets mixes tasks: leave task='auto' (each site's data decides)")
+        for dataset in self.split_datasets:
+            kind = dataset.partition(":")[0]
+            if self.partition not in (valid := supported_partitions(kind)):
+                what = "a segmentation source" if _holds_masks(dataset) else "a source without sites"
+                raise _bad("partition", self.partition, f"dataset {dataset!r} is {what}; valid choices are "
+                           + ", ".join(valid))
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:
@@ -502,6 +510,11 @@ class ExperimentConfig:
         """``class-texts`` split on ';', else the class names: what a text encoder embeds, one per class."""
         texts = tuple(t.strip() for t in self.class_texts.split(";") if t.strip())
         return texts or tuple(class_names)
+
+    @property
+    def split_datasets(self) -> list[str]:
+        """The datasets the server splits over sites with ``partition`` (not 'site': each node holds its own)."""
+        return [d for d in dict.fromkeys(self.site_dataset_list or [self.dataset]) if d != "site"]
 
     @property
     def site_dataset_list(self) -> list[str]:
@@ -576,14 +589,40 @@ def defaults() -> dict[str, Any]:
 
 
 def markdown_table() -> str:
-    """The README's run-config table, generated from OPTIONS."""
+    """The run-config table of docs/run-config.md, generated from OPTIONS."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for o in OPTIONS:
         default = repr(o.default) if isinstance(o.default, str) else str(o.default).lower() if isinstance(o.default, bool) else o.default
         choices = getattr(o.check, "choices", None)
-        meaning = o.help + (f" ({', '.join(choices)})" if choices else "")
+        meaning = (o.help + (f" ({', '.join(choices)})" if choices else "")).replace("|", "\\|")  # a bare | splits the cell
         rows.append(f"| `{o.key}` | `{default}` | {meaning} |")
     return "\n".join(rows)
+
+
+RUN_CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "run-config.md"
+
+_RUN_CONFIG_INTRO = """\
+# Run config
+
+Every key, its default and what is valid. Values are checked before any training: an unknown key, an
+unknown strategy/dataset/adapter/backbone, a missing data file or a nonsensical number stops the run
+with one message naming the key, the bad value and the valid choices, e.g.
+`run-config 'adapter' = 'prefix' is invalid: valid choices are lora, ia3, bottleneck, none`.
+
+Values are TOML: strings need quotes, e.g.
+`flwr run . --stream --run-config "strategy='fedprox' num-rounds=10 lr=0.001"`, or put many keys in
+a TOML file: `flwr run . --run-config my-experiment.toml`. Each method's page in [methods/](methods/)
+explains its own keys.
+
+This page is generated from `medflower/config.py` (`OPTIONS`): `python -m medflower.config` prints it,
+`python -m medflower.config --write` rewrites it. Do not edit it by hand; `tests/test_docs.py` fails when
+it differs from the code.
+"""
+
+
+def run_config_markdown() -> str:
+    """docs/run-config.md: the intro and the run-config table, generated from OPTIONS."""
+    return _RUN_CONFIG_INTRO + "\n" + markdown_table() + "\n"
 
 
 _SAFE_RUN_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -594,4 +633,10 @@ def safe_name(text: str) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - documentation helper
-    sys.stdout.write(markdown_table() + "\n")
+    if sys.argv[1:] == ["--write"]:
+        RUN_CONFIG_DOC.write_text(run_config_markdown())
+        sys.stdout.write(f"written: {RUN_CONFIG_DOC}\n")
+    elif sys.argv[1:]:
+        sys.exit("usage: python -m medflower.config [--write]  (prints docs/run-config.md; --write rewrites it)")
+    else:
+        sys.stdout.write(run_config_markdown())

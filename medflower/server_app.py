@@ -14,6 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .config import ConfigError, ExperimentConfig, safe_name
 from .data import describe_source
+from .data.partition import check_partition_supported
 from .models import build_model
 from .results import RunRecorder
 from .strategies import STRATEGIES
@@ -36,6 +37,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     started = time.monotonic()
     cfg = ExperimentConfig.from_run_config(run_config)
     num_classes = cfg.num_classes or describe_source(cfg.data_spec())[0]
+    for dataset in cfg.split_datasets:  # what every site would refuse at its first message, refused once here
+        check_partition_supported(cfg.data_spec(dataset=dataset))
     run_dir = run_folder(cfg)
     if not cfg.resume_from and run_dir.exists():
         log(WARNING, "[medflower] %s exists: starting over there (use resume-from to continue it)", run_dir.resolve())

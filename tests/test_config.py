@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from medflower.config import OPTIONS, ConfigError, ExperimentConfig, defaults, markdown_table
+from medflower.config import OPTIONS, ConfigError, ExperimentConfig, defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,13 +24,6 @@ def test_defaults_validate_and_match_pyproject():
 def test_dataclass_fields_match_options():
     fields = set(ExperimentConfig.__dataclass_fields__)
     assert fields == {o.attr for o in OPTIONS}
-
-
-def test_every_key_is_documented_in_readme():
-    readme = (ROOT / "README.md").read_text()
-    for option in OPTIONS:
-        assert f"| `{option.key}` |" in readme, f"{option.key} missing from the README's run-config table"
-    assert markdown_table() in readme, "README table is stale: paste `python -m medflower.config`"
 
 
 @pytest.mark.parametrize(
@@ -78,3 +71,46 @@ def test_views_for_layers():
     c = cfg(**{"adapter-targets": "qkv, proj", "img-size": 48})
     assert c.model_spec().adapter_targets == ("qkv", "proj")
     assert c.data_spec().img_size == 48 and c.model_spec().img_size == 48
+
+
+@pytest.mark.parametrize("overrides, dataset, valid", [
+    ({"strategy": "sgca", "dataset": "synthetic-seg"}, "synthetic-seg", "natural, iid"),
+    ({"dataset": "segfolder:/data/polyp", "partition": "pathological"}, "segfolder:/data/polyp", "natural, iid"),
+    ({"dataset": "medmnist:pneumoniamnist", "partition": "natural"}, "medmnist:pneumoniamnist",
+     "iid, dirichlet, pathological, qbli"),
+    ({"strategy": "fedbkd", "dataset": "synthetic-seg", "partition": "qbli",
+      "site-datasets": "synthetic,synthetic-seg"}, "synthetic-seg", "natural, iid"),
+])
+def test_a_partition_every_site_would_refuse_is_refused_up_front(overrides, dataset, valid):
+    """A new user's `strategy='sgca' dataset='synthetic-seg'` used to start, then fail on every site."""
+    with pytest.raises(ConfigError) as err:
+        ExperimentConfig.from_run_config({**defaults(), **overrides}, check_paths=False)
+    message = str(err.value)
+    assert message.startswith(f"run-config 'partition' = {overrides.get('partition', 'dirichlet')!r} is invalid")
+    assert repr(dataset) in message and message.endswith("valid choices are " + valid)
+
+
+def test_supported_partitions_pass():
+    for overrides in ({"dataset": "synthetic-seg", "partition": "natural"}, {"dataset": "synthetic-seg", "partition": "iid"},
+                      {"dataset": "synthetic", "partition": "natural"}, {"dataset": "site", "num-classes": 2},
+                      {"dataset": "medmnist:pneumoniamnist", "partition": "qbli"}):
+        ExperimentConfig.from_run_config({**defaults(), **overrides}, check_paths=False)
+
+
+def test_server_refuses_a_natural_partition_of_a_manifest_without_sites_before_round_1(tmp_path, monkeypatch):
+    """Only reading the csv tells whether it has a site column: the ServerApp reads it once, before any message."""
+    from PIL import Image
+
+    from medflower import inprocess
+    from medflower.data import DataError
+
+    for i in range(4):
+        Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(tmp_path / f"{i}.png")
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("path,label\n" + "".join(f"{i}.png,{i % 2}\n" for i in range(4)))
+    monkeypatch.setattr(inprocess.InProcessGrid, "send_and_receive",
+                        lambda *a, **k: pytest.fail("a message was sent before the partition was checked"))
+    config = {"dataset": f"csv:{manifest}", "partition": "natural", "backbone-weights": "none",
+              "output-dir": str(tmp_path / "out"), "run-name": "csv"}
+    with pytest.raises(DataError, match="partition 'natural' needs a site per row"):
+        inprocess.run_inprocess(config, num_nodes=2)

@@ -102,6 +102,30 @@ def test_similarities_enter_negated():
         adapter_distances(x, "manhattan")
 
 
+@pytest.mark.parametrize("metric, scipy_metric", [("l2", "euclidean"), ("l1", "cityblock")])
+def test_median_scale_divides_by_one_global_constant(metric, scipy_metric):
+    x = np.random.default_rng(6).normal(size=(5, 30))
+    ref = cdist(x, x, scipy_metric)
+    ref /= np.median(ref[~np.eye(5, dtype=bool)])
+    np.testing.assert_allclose(adapter_distances(x, metric, "median"), ref, atol=1e-5)
+    assert adapter_distances(x[:1], metric, "median").tolist() == [[0.0]]  # no pair: nothing to scale
+    with pytest.raises(ValueError, match="sgca-distance-scale"):
+        adapter_distances(x, metric, "row-mean")
+
+
+def test_a_site_far_from_everyone_keeps_more_of_itself_with_the_median_scale():
+    """Row-max scaling gives the outlier's row the same 0..1 range as everyone else's, so it still mixes in its
+    far neighbours; one global constant keeps its large distances large."""
+    rng = np.random.default_rng(7)
+    centre = rng.normal(size=40)
+    thetas = np.stack([centre + 0.1 * rng.normal(size=40) for _ in range(4)] + [centre + 5.0 * rng.normal(size=40)])
+    m = np.full(5, 0.2)
+    by_row = sgca_weights(m, adapter_distances(thetas, "l2", "row-max"), 0.8, "closed-form")
+    by_median = sgca_weights(m, adapter_distances(thetas, "l2", "median"), 0.8, "closed-form")
+    assert by_median[4, 4] == pytest.approx(1.0)  # the outlier keeps its own adapter
+    assert by_row[4, 4] < 0.6  # row-max: its nearest "neighbours" are at distance < 1, so it mixes in half
+
+
 @pytest.mark.parametrize("metric", ["l2", "l1", "cosine", "inner"])
 def test_alike_site_gets_more_weight_than_the_different_one(metric):
     rng = np.random.default_rng(5)
@@ -159,23 +183,31 @@ def test_cosine_pull_moves_adapters_toward_the_aggregate():
 
 
 # ----------------------------------------------------------------------------- the protocol, in process
-def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny, monkeypatch):
-    sent_up = {}
+@pytest.mark.parametrize("scale", ["row-max", "median"])
+def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny, monkeypatch, scale):
+    sent_up, sizes = {}, {}
     original = sgca_module.SGCAClient.train
 
     def spy(self, message):
         content = original(self, message)
         sent_up[(self.rt.round, self.rt.client)] = np.concatenate([a.numpy().ravel() for a in content["arrays"].values()])
+        sizes[(self.rt.round, self.rt.client)] = content["metrics"]["num-examples"]
         return content
 
     monkeypatch.setattr(sgca_module.SGCAClient, "train", spy)
-    config = tiny(strategy="sgca", adapter="bottleneck", **{"run-name": "sg", "num-rounds": 2})
+    config = tiny(strategy="sgca", adapter="bottleneck", **{"run-name": "sg", "num-rounds": 2,
+                                                            "sgca-distance-scale": scale})
     summary, grid = run_inprocess(config, num_nodes=3)
     server = records(run_dir_of(config), "server")
-    for r in server:
+    for rnd, r in enumerate(server, 1):
         w = np.array(r["sgca_W"])
         assert w.shape == (3, 3) and r["sgca_clients"] == ["site-0", "site-1", "site-2"]
-        assert_on_simplex(w)
+        # The logged W is the QP's solution (Eq. 7) for exactly the adapters the sites uploaded that round.
+        uploaded = np.stack([sent_up[(rnd, c)] for c in r["sgca_clients"]])
+        n = np.array([sizes[(rnd, c)] for c in r["sgca_clients"]], dtype=np.float64)
+        expected = sgca_weights(n / n.sum(), adapter_distances(uploaded, "l2", scale), 0.8, "cvxpy")
+        np.testing.assert_allclose(w, expected, atol=2e-8)
+        assert not np.allclose(w, np.tile(n / n.sum(), (3, 1)), atol=1e-3)  # not FedAvg's weights
     round2 = [m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"]
     names = list(round2[0].content["arrays"].keys())
     assert names == lowest_adapter_names(names + ["decoder.x"], 1) and len(names) == 4  # blocks.0.adapter_attn

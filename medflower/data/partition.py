@@ -16,7 +16,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 
 from .sources import SPLITS, Source, open_source_by_key, source_key, source_task
-from .spec import DataError, DataSpec, list_rows
+from .spec import DataError, DataSpec, list_rows, supported_partitions
 
 if TYPE_CHECKING:
     import datasets
@@ -37,12 +37,23 @@ def partition_rows(spec: DataSpec, num_partitions: int) -> Partitioning:
     """The partitioning of ``spec``'s pool into ``num_partitions`` parts (cached, deterministic)."""
     if num_partitions < 1:
         raise DataError(f"num_partitions must be >= 1, got {num_partitions}")
-    if spec.partition in ("dirichlet", "pathological", "qbli") and source_task(spec) == "segmentation":
-        raise DataError(f"dataset {spec.dataset!r}: segmentation sources support natural or iid partitions, "
-                        f"not {spec.partition!r}")
+    check_partition_supported(spec)
     qbli = (spec.qbli_classes, spec.task_classes, spec.classes_per_task) if spec.partition == "qbli" else None
     return _partition_cached(source_key(spec), spec.partition, spec.dirichlet_alpha,
                              spec.pathological_k, spec.seed, num_partitions, qbli)
+
+
+def check_partition_supported(spec: DataSpec) -> None:
+    """Refuse a partition the source cannot make, before any split: the one check the sites and the
+    ServerApp's check before round 1 share (a csv manifest is read to see whether it has a site column)."""
+    valid = supported_partitions(spec.source_kind)
+    if spec.partition not in valid:
+        what = "a segmentation source" if source_task(spec) == "segmentation" else "a source without sites"
+        raise DataError(f"dataset {spec.dataset!r} is {what}: it supports the partitions {', '.join(valid)}, "
+                        f"not {spec.partition!r}")
+    if spec.partition == "natural" and open_source_by_key(source_key(spec)).sites(1) is None:
+        raise DataError(f"dataset {spec.dataset!r}: partition 'natural' needs a site per row (a csv manifest "
+                        f"with a site column, a segfolder, or a synthetic source); this source has none")
 
 
 @lru_cache(maxsize=16)

@@ -8,7 +8,16 @@ SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
 ARGLESS_KINDS = ("synthetic", "synthetic-seg")  # kinds written without ":<argument>"
 SEGMENTATION_KINDS = ("synthetic-seg", "segfolder")
 PARTITIONS = ("natural", "iid", "dirichlet", "pathological", "qbli")
+LABEL_PARTITIONS = ("dirichlet", "pathological", "qbli")  # skew by class label: classification sources only
+SITELESS_KINDS = ("medmnist",)  # a MedMNIST file has no site per row, so no natural partition
 MAX_LISTED_ROWS = 10
+
+
+def supported_partitions(kind: str) -> tuple[str, ...]:
+    """The partitions a source kind can make. Segmentation sources have no class label to skew by; a csv
+    manifest supports 'natural' only with a site column, which only reading it tells."""
+    return tuple(p for p in PARTITIONS if not (kind in SEGMENTATION_KINDS and p in LABEL_PARTITIONS)
+                 and not (kind in SITELESS_KINDS and p == "natural"))
 
 
 class DataError(ValueError):

@@ -1,4 +1,7 @@
-"""SGCA / FedSCA (seed 001): similarity-guided collaborative aggregation with low-level adapter transmission.
+"""SGCA / FedSCA: similarity-guided collaborative aggregation with low-level adapter transmission.
+
+Zhang et al., "FedSCA: Federated Tuning with Similarity-guided Collaborative Aggregation for
+Heterogeneous Medical Image Segmentation"; the method as implemented: docs/methods/sgca.md.
 
 Each round, the server turns the adapters the participants sent into one mixing matrix W (a QP per
 client over adapter distances) and sends client i its own aggregate ``Θ̂_i = Σ_j W_ij Θ_j``. Only the
@@ -28,17 +31,24 @@ from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply
 
 METRICS = ("l2", "l1", "cosine", "inner")
 SOLVERS = ("cvxpy", "closed-form")
+DISTANCE_SCALES = ("row-max", "median")
 
 
 # ----------------------------------------------------------------------------- aggregation math (server)
-def adapter_distances(thetas: np.ndarray, metric: str = "l2") -> np.ndarray:
-    """D [N, N] between flattened adapters ``thetas`` [N, P]; each row divided by its largest |entry|.
+def adapter_distances(thetas: np.ndarray, metric: str = "l2", scale: str = "row-max") -> np.ndarray:
+    """D [N, N] between flattened adapters ``thetas`` [N, P], made unit-free so that α means the same
+    whatever the adapter size.
 
-    l2 and l1 are distances; cosine and inner are similarities and enter as ``D = -sim`` (DESIGN 3.1).
-    Row scaling is DESIGN 3.1's *decision*, so that α means the same whatever the adapter size.
+    l2 and l1 are distances; cosine and inner are similarities and enter as ``D = -sim`` (the paper's Eq. 7
+    minimises α·Σ_j W_ij d(Θ_i, Θ_j) with a distance, so a similarity enters with a minus sign).
+    ``scale``: ``row-max`` divides each row by its largest |entry| (then a site far from everyone mixes
+    like one close to everyone); ``median`` divides the whole matrix by the median off-diagonal |entry|,
+    one constant, so a site far from everyone sees large distances and keeps more of its own adapter.
     """
     if metric not in METRICS:
         raise ValueError(f"unknown sgca-metric {metric!r}; choose one of {list(METRICS)}")
+    if scale not in DISTANCE_SCALES:
+        raise ValueError(f"unknown sgca-distance-scale {scale!r}; choose one of {list(DISTANCE_SCALES)}")
     x = torch.as_tensor(np.asarray(thetas, dtype=np.float32))
     if metric == "l2":
         # Centering first keeps the Gram-matrix form accurate for adapters that sit close together.
@@ -55,8 +65,12 @@ def adapter_distances(thetas: np.ndarray, metric: str = "l2") -> np.ndarray:
     d = d.numpy()
     if metric in ("l2", "l1"):
         np.fill_diagonal(d, 0.0)
-    scale = np.abs(d).max(axis=1, keepdims=True)
-    return np.divide(d, scale, out=np.zeros_like(d), where=scale > 0)
+    if scale == "row-max":
+        denominator = np.abs(d).max(axis=1, keepdims=True)
+    else:
+        off_diagonal = np.abs(d[~np.eye(len(d), dtype=bool)])
+        denominator = np.full((len(d), 1), np.median(off_diagonal) if off_diagonal.size else 0.0)
+    return np.divide(d, denominator, out=np.zeros_like(d), where=denominator > 0)
 
 
 def project_rows_onto_simplex(v: np.ndarray) -> np.ndarray:
@@ -111,7 +125,7 @@ def sgca_weights_cvxpy(m: np.ndarray, d: np.ndarray, alpha: float) -> np.ndarray
 
 
 def sgca_weights(m: np.ndarray, d: np.ndarray, alpha: float, solver: str = "cvxpy") -> np.ndarray:
-    """Mixing matrix W [N, N] (DESIGN 3.1); a single participant gives [[1]]."""
+    """Mixing matrix W [N, N], the paper's Eq. 7 row by row; a single participant gives [[1]]."""
     if len(m) == 1:
         return np.ones((1, 1))
     if solver == "closed-form":
@@ -123,7 +137,7 @@ def sgca_weights(m: np.ndarray, d: np.ndarray, alpha: float, solver: str = "cvxp
 
 # ----------------------------------------------------------------------------- client half
 def cosine_pull(params: Mapping[str, torch.nn.Parameter], aggregate: Mapping[str, torch.Tensor], beta: float):
-    """The client's extra loss ``−β·cos(Θ_i, Θ̂_i)`` over the flattened transmitted adapters (DESIGN 3.1)."""
+    """The client's extra loss ``−β·cos(Θ_i, Θ̂_i)`` over the flattened transmitted adapters (the paper's Eq. 9-10)."""
     names = list(aggregate)
     target = torch.cat([aggregate[n].reshape(-1) for n in names])
 
@@ -176,7 +190,7 @@ class SGCAClient(ClientHalf):
 
 # ----------------------------------------------------------------------------- server half
 class SGCA(FederatedStrategy):
-    """SGCA (FedSCA, Eq. of DESIGN 3.1): per-client aggregates of the lowest adapters from a QP over distances.
+    """SGCA (FedSCA, Eq. 7 and 10; docs/methods/sgca.md): per-client aggregates of the lowest adapters from a QP over distances.
 
     Leaves a site: the lowest ``lat-layers`` adapter modules and n_i. Comes back: Θ̂_i, one array set per node.
     """
@@ -215,7 +229,7 @@ class SGCA(FederatedStrategy):
         return self.transmitted_spec
 
     def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
-        d = adapter_distances(thetas, self.cfg.sgca_metric)
+        d = adapter_distances(thetas, self.cfg.sgca_metric, self.cfg.sgca_distance_scale)
         return sgca_weights(m, d, self.cfg.sgca_alpha, self.cfg.sgca_solver)
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
@@ -223,7 +237,7 @@ class SGCA(FederatedStrategy):
         clients = [r.client for r in replies]
         thetas = stack_flat([r.arrays for r in replies], self.transmitted_spec)
         sizes = np.array([r.num_examples for r in replies], dtype=np.float64)
-        m = sizes / sizes.sum()  # m_j = n_j / Σn (the paper's m_i is a typo, DESIGN 3.1)
+        m = sizes / sizes.sum()  # m_j = n_j / Σn (Eq. 7 writes m_i: a typo, the weight belongs to client j)
         w = self.mixing_matrix(m, thetas)
         # torch's matmul: the same float32 product as numpy's, about 1.5x faster on the CPUs measured here
         mixed = (torch.from_numpy(w.astype(np.float32)) @ torch.from_numpy(thetas)).numpy()
