@@ -133,6 +133,27 @@ def test_shared_frequencies_reuse_one_block_per_task_and_capacity_is_checked():
         allocator.allocate(3, "a", 0, 30)
 
 
+def test_capacity_plan_of_the_papers_setting_and_the_largest_n_frequency_that_fits():
+    """10 sites x 10 tasks x n-frequency 3000 on ViT-B's 768x768 q/k matrices (issue 16)."""
+    shape = (768, 768)
+    assert mx.usable_coordinates(shape, True) == len(mx.coordinate_order(shape, 0, True)) == 294_914
+    assert mx.usable_coordinates(shape, False) == 768 * 768
+    for small in [(8, 8), (7, 9), (6, 5), (5, 5), (16, 12)]:  # odd sizes have fewer self-conjugate points
+        for aware in (True, False):
+            assert mx.usable_coordinates(small, aware) == len(mx.coordinate_order(small, 0, aware))
+    plan = mx.plan_capacity([shape] * 24, [3000] * 10, 10, conjugate_aware=True, shared=False)
+    assert (plan.need, plan.capacity, plan.fits, plan.largest) == (300_000, 294_914, False, 2949)
+    assert mx.plan_capacity([shape], [2949] * 10, 10, True, False).fits  # 294,900
+    assert not mx.plan_capacity([shape], [2950] * 10, 10, True, False).fits  # 295,000
+    paper = mx.plan_capacity([shape], [3000] * 10, 10, conjugate_aware=False, shared=False)
+    assert (paper.capacity, paper.fits, paper.largest) == (589_824, True, 5898)
+    shared = mx.plan_capacity([shape], [3000] * 9 + [5000], 10, True, shared=True)  # one block per task
+    assert (shared.need, shared.fits, shared.largest) == (50_000, True, 29_491)
+    mixed = mx.plan_capacity([shape], [3000] * 5 + [2900] * 5, 10, True, False)
+    assert (mixed.per_task, mixed.need, mixed.fits) == (29_500, 295_000, False)
+    assert mx.plan_capacity([shape, (192, 192)], [100], 1, True, False).shape == (192, 192)  # the smallest binds
+
+
 def test_union_aggregation_reconstructs_the_sum_of_the_sites_updates_exactly():
     shape = (24, 20)
     rng = np.random.default_rng(0)
@@ -148,6 +169,16 @@ def test_union_aggregation_reconstructs_the_sum_of_the_sites_updates_exactly():
     np.testing.assert_array_equal(shared_coords, np.sort(coords[0]))
     order = np.argsort(coords[0])
     np.testing.assert_allclose(shared_values, ((values[0] + 3 * values[1][:, :30]) / 4)[:, order], rtol=1e-6)
+
+
+def test_shared_block_mean_averages_this_rounds_replies_and_keeps_the_rest():
+    previous = np.arange(10, dtype=np.float32).reshape(2, 5)
+    a, b = np.ones((2, 3), np.float32), np.full((2, 2), 4.0, np.float32)
+    merged = mx.shared_block_mean(previous, [a, b], [1.0, 2.0])
+    np.testing.assert_allclose(merged[:, :2], 3.0)  # (1 + 2 x 4) / 3
+    np.testing.assert_array_equal(merged[:, 2], 1.0)  # only a holds position 2
+    np.testing.assert_array_equal(merged[:, 3:], previous[:, 3:])  # no reply holds it: unchanged
+    np.testing.assert_array_equal(mx.shared_block_mean(previous, [], []), previous)
 
 
 def test_conjugate_aware_updates_are_orthogonal_and_a_conjugate_pair_is_not():
@@ -310,10 +341,37 @@ def test_sites_with_different_budgets_aggregate_together(tiny):
     assert summary["communication"]["rejected_replies"] == 0 and summary["communication"]["failed_replies"] == 0
 
 
-def test_capacity_error_names_the_remedy(tiny):
-    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "big", "n-frequency": 9000})
-    with pytest.raises(ValueError, match="lower n-frequency"):
-        run_inprocess(config, num_nodes=3)
+@pytest.mark.parametrize("overrides, node_configs, expected", [
+    ({"n-frequency": 3100}, None,
+     ["run-config 'n-frequency' = 3100 is invalid: 3 sites x 2 tasks x 3100 = 18600 coordinates needed, but a "
+      "192x192 q/k matrix has 18434 usable conjugate classes (conjugate-aware=true); lower n-frequency to at most "
+      "3072"]),
+    ({"pfedmxf-n-frequency": "6000,3000,64"}, [{}, {}, {"n-frequency": 300}],
+     ["run-config 'pfedmxf-n-frequency' = '6000,3000,64' is invalid: the sites' budgets (site-0=6000, site-1=3000, "
+      "site-2=300; a node-config n-frequency wins) sum to 9300 per task; 2 tasks x 9300 = 18600 coordinates needed",
+      "lower n-frequency to at most 3072 for every site, or make the budgets sum to at most 9217 per task"]),
+    ({}, [{"n-frequency": 3100}] * 3,  # every budget from node-config: not run-config n-frequency's 64
+     ["run-config 'n-frequency' = 64 is invalid: the sites' budgets (site-0=3100, site-1=3100, site-2=3100; a "
+      "node-config n-frequency wins) sum to 9300 per task", "lower n-frequency to at most 3072 for every site"]),
+    ({"n-frequency": 9300, "frequency-sharing": "shared"}, None,
+     ["frequency-sharing='shared' takes one block per task as long as the largest budget: 2 tasks x 9300 = 18600",
+      "lower n-frequency to at most 9217"]),
+    ({"n-frequency": 18500, "conjugate-aware": False}, None,
+     ["3 sites x 2 tasks x 18500 = 111000", "has 36864 usable coordinates (conjugate-aware=false); lower "
+      "n-frequency to at most 6144"]),
+])
+def test_a_plan_that_does_not_fit_is_refused_before_any_training_message(tiny, overrides, node_configs, expected):
+    """Before, the allocator ran out in the middle of the run (here: at task 2, after task 1 had trained)."""
+    from medflower.client_app import app
+    from medflower.inprocess import InProcessGrid
+    from medflower.server_app import run_experiment
+
+    config = {**defaults(), **tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "big", **overrides})}
+    grid = InProcessGrid(app, 3, config, node_configs=node_configs)
+    with pytest.raises(ConfigError) as refused:
+        run_experiment(grid, config)
+    assert all(part in str(refused.value) for part in expected), str(refused.value)
+    assert {m.metadata.message_type for m in grid.sent} == {"query"}
 
 
 def test_a_dropped_site_keeps_its_coefficients_in_the_union(tiny, monkeypatch):
@@ -339,6 +397,62 @@ def test_a_dropped_site_keeps_its_coefficients_in_the_union(tiny, monkeypatch):
     name = "backbone.blocks.0.attn.qk_delta"
     np.testing.assert_array_equal(state[f"coef/1/site-1/{name}"],
                                   round2[f"{name}.spectrum"][:, [position[c] for c in coords.tolist()]])
+
+
+@pytest.mark.parametrize("classifier, optimizer", [("aac", "adamw"), ("unified", "adam")])
+def test_weight_decay_leaves_the_frozen_head_rows_bit_identical(tiny, monkeypatch, classifier, optimizer):
+    """Rows outside a task's softmax get no gradient; AdamW's decoupled decay (and Adam's L2 term) moved them."""
+    captured = {}
+    original = mx.PFedMxF.aggregate_updates
+
+    def spy(self, rnd, task, replies):
+        captured[rnd] = replies
+        return original(self, rnd, task, replies)
+
+    monkeypatch.setattr(mx.PFedMxF, "aggregate_updates", spy)
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "wd", "classifier": classifier,
+                     "optimizer": optimizer, "weight-decay": 0.1, "rounds-per-task": 1})
+    _, grid = run_inprocess(config, num_nodes=2)
+    c = INCREMENTAL["classes-per-task"]
+    assert sorted(captured) == [1, 2]  # round = task
+    for task, replies in captured.items():
+        received = from_record(sent(grid, "train", task)[0].content["arrays"])
+        trained = np.zeros(len(received["head.bias"]), bool)
+        trained[(task - 1) * c if classifier == "aac" else 0: task * c] = True
+        assert len(replies) == 2 and (~trained).any()
+        for reply in replies:
+            for name in mx.HEAD:
+                np.testing.assert_array_equal(reply.arrays[name][~trained], received[name][~trained])
+                assert not np.array_equal(reply.arrays[name][trained], received[name][trained])
+
+
+def test_shared_frequencies_average_only_this_rounds_replies(tiny, monkeypatch):
+    """frequency-sharing='shared' with fraction-train < 1: a site not sampled this round adds no stale block."""
+    captured = {}
+    original = mx.PFedMxF.aggregate_updates
+
+    def spy(self, rnd, task, replies):
+        original(self, rnd, task, replies)
+        block = [self.allocator.coords(a, (192, 192)) for a in self.allocator.allocations if a.task == task]
+        captured[rnd] = (replies, self.union(task), block)
+
+    monkeypatch.setattr(mx.PFedMxF, "aggregate_updates", spy)
+    # seed 5 samples sites 1, 2 in round 1 and sites 0, 2 in round 2 (2 of 3 nodes)
+    config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": "shared", "frequency-sharing": "shared",
+                     "fraction-train": 0.67, "num-tasks": 1, "seed": 5})
+    run_inprocess(config, num_nodes=3)
+    assert [sorted(r.client for r in captured[rnd][0]) for rnd in (1, 2)] == [["site-1", "site-2"],
+                                                                            ["site-0", "site-2"]]
+    name, key = "backbone.blocks.4.attn.qk_delta", "192x192"
+    for rnd in (1, 2):
+        replies, union, block = captured[rnd]
+        assert all(np.array_equal(b, block[0]) for b in block)  # one block for every site of the task
+        coords = block[0]
+        position = {c: i for i, c in enumerate(union[f"freq.{key}.coords"].tolist())}
+        weights = np.array([r.num_examples for r in replies])
+        expected = sum(w * r.arrays[f"{name}.coefficients"].astype(np.float64) for w, r in zip(weights, replies))
+        np.testing.assert_allclose(union[f"{name}.spectrum"][:, [position[c] for c in coords.tolist()]],
+                                   expected / weights.sum(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("strategy", ["pfedmxf", "fedstack"])

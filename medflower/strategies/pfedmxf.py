@@ -1,4 +1,4 @@
-"""pFedMxF (DESIGN 3.3, seed 004) and its LoRA baselines in a federated class-incremental protocol.
+"""pFedMxF (docs/methods/pfedmxf.md) and its LoRA baselines in a federated class-incremental protocol.
 
 One run walks T tasks of C classes (``data/tasks.py``: labels are positions in the class order), with
 ``rounds-per-task`` federated rounds each. The model is a frozen backbone whose q and k projections carry
@@ -9,6 +9,9 @@ site reports its accuracy over all classes seen so far, and ``summary.json`` get
   block of ``n-frequency`` coordinates (disjoint modulo conjugate symmetry by default). A site trains its
   own coefficients with everyone else's frozen; the server scatters all of them into one union spectrum
   (Eq. 13: averaging only where a coordinate is shared). Past tasks' spectra act as merged weights.
+  Before round 1 the whole plan (every known site's budget in every task) is checked against the usable
+  coordinates of the smallest adapted shape (``plan_capacity``). ``shared`` (the ablation) averages a
+  coordinate over this round's replies only; where none holds it, it keeps its value.
 - ``fedavg-lora``: LoRA on q and k, A and B averaged separately (Eq. 5, with the interference of Eq. 6);
   merged into the frozen weights at the end of each task, then a fresh LoRA.
 - ``fedstack``: FLoRA; p_k-scaled B_k and A_k stacked on the rank axis, so B A = Σ p_k B_k A_k exactly
@@ -16,7 +19,9 @@ site reports its accuracy over all classes seen so far, and ``summary.json`` get
 
 Classifier (``classifier``): ``aac`` trains task t's block of head rows with a softmax over that task's
 classes (Eq. 16) and predicts with the prototype router (Eqs. 17-18); ``unified`` trains and predicts with
-one softmax over every seen class (Eq. 15). Heads are averaged with weights n_k (Eq. 19).
+one softmax over every seen class (Eq. 15). Heads are averaged with weights n_k (Eq. 19). Rows outside the
+training softmax (aac: other tasks'; unified: future classes') leave local training bit-identical, weight
+decay included (``frozen_rows``).
 
 Decision (``aac-prototype``): the router's μ_t is the mean of task t's head rows, and the within-task
 cross-entropy's gradient sums to zero over those rows, so training never moves μ_t: taken literally
@@ -32,9 +37,10 @@ What comes to a site: the union spectrum of every allocated coordinate with its 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -44,6 +50,7 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
+from ..config import _bad
 from ..data import DataError, make_loader
 from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
 from ..models import build_model
@@ -76,6 +83,57 @@ def coordinate_order(shape: tuple[int, int], seed: int, conjugate_aware: bool) -
         flat = flat[flat <= conjugate(flat, shape)]
     rng = np.random.default_rng([seed, shape[0], shape[1], 4004])
     return rng.permutation(flat)
+
+
+def usable_coordinates(shape: tuple[int, int], conjugate_aware: bool) -> int:
+    """How many coordinates of an M x N spectrum the allocator can hand out (``len(coordinate_order(...))``).
+
+    ``conjugate_aware``: one per class {(u,v), (−u,−v)}, i.e. (M·N + s) / 2 with s the self-conjugate
+    coordinates (u in {0, M/2} and v in {0, N/2}: 4 when M and N are even); else all M·N.
+    """
+    rows, cols = shape
+    if not conjugate_aware:
+        return rows * cols
+    self_conjugate = (2 - rows % 2) * (2 - cols % 2)
+    return (rows * cols + self_conjugate) // 2
+
+
+def largest_n_frequency(capacity: int, sites: int, tasks: int, shared: bool) -> int:
+    """The largest n-frequency, the same for every site, whose plan fits in ``capacity`` positions."""
+    return capacity // (tasks * (1 if shared else max(sites, 1)))
+
+
+@dataclass
+class CapacityPlan:
+    """A run's use of the allocator's positions against the tightest adapted shape's usable coordinates."""
+
+    shape: tuple[int, int]
+    capacity: int
+    need: int
+    per_task: int
+    tasks: int
+    budgets: list[int]
+    shared: bool
+    largest: int
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.capacity
+
+
+def plan_capacity(shapes: Sequence[tuple[int, int]], budgets: Sequence[int], tasks: int, conjugate_aware: bool,
+                  shared: bool) -> CapacityPlan:
+    """The positions a whole run takes from every shape's permutation, as ``FrequencyAllocator`` hands them out.
+
+    A block is the same positions of every shape's permutation, so the smallest shape bounds the run. Per task,
+    disjoint blocks take Σ_k n_k positions and ``shared`` blocks (one per task, every site from its start)
+    max_k n_k; every listed site is counted in every task (the worst case when ``fraction-train`` < 1).
+    """
+    shape = min(set(shapes), key=lambda s: (usable_coordinates(s, conjugate_aware), s))
+    capacity = usable_coordinates(shape, conjugate_aware)
+    per_task = max(budgets, default=0) if shared else sum(budgets)
+    return CapacityPlan(shape, capacity, tasks * per_task, per_task, tasks, [int(b) for b in budgets], shared,
+                        largest_n_frequency(capacity, len(budgets), tasks, shared))
 
 
 @dataclass
@@ -164,6 +222,19 @@ def union_spectrum(coords: Sequence[np.ndarray], values: Sequence[np.ndarray], w
     return unique, (total / np.where(mass > 0, mass, 1.0)).astype(np.float32)
 
 
+def shared_block_mean(previous: np.ndarray, values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``frequency-sharing='shared'``: Eq. 13 over this round's replies only. Position j of a task's block
+    ([2, L], every site's block starts at position 0 of it) gets the weighted mean of the replies that hold it
+    (``values[k]`` [2, n_k], n_k <= L); a position no reply holds keeps ``previous``. A site that was not
+    sampled or did not answer adds no stale coefficients."""
+    total = np.zeros(previous.shape, np.float64)
+    mass = np.zeros(previous.shape[1], np.float64)
+    for value, weight in zip(values, weights):
+        total[:, :value.shape[1]] += float(weight) * value.astype(np.float64)
+        mass[:value.shape[1]] += float(weight)
+    return np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), previous).astype(np.float32)
+
+
 def dense_spectrum(coords: np.ndarray, values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     """[2, M, N] float32 with ``values`` at flat ``coords`` and zero elsewhere."""
     dense = np.zeros((2, shape[0] * shape[1]), dtype=np.float32)
@@ -222,6 +293,27 @@ def set_block_mean(weight: torch.Tensor, classes_per_task: int, task: int, proto
     """
     rows = slice((task - 1) * classes_per_task, task * classes_per_task)
     weight[rows] += prototype - weight[rows].mean(dim=0)
+
+
+@contextlib.contextmanager
+def frozen_rows(head: torch.nn.Linear, rows: torch.Tensor) -> Iterator[None]:
+    """Keep the head rows (and biases) of the classes outside a training step's softmax bit-identical.
+
+    Those rows (past and future tasks' classes with ``aac``, future ones with ``unified``) get no gradient
+    from the masked cross-entropy, but weight decay still moves them: AdamW's decoupled term shrinks them by
+    lr·wd per step, Adam's and SGD's L2 term adds wd·w to their zero gradient. Nothing they hold enters the
+    loss, so putting them back after local training is the same as never stepping them.
+    """
+    with torch.no_grad():
+        at = rows.to(head.weight.device)
+        weight, bias = head.weight[at].clone(), head.bias[at].clone()
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # train_epochs may have moved the model
+            at = rows.to(head.weight.device)
+            head.weight[at] = weight.to(head.weight.device)
+            head.bias[at] = bias.to(head.bias.device)
 
 
 @torch.no_grad()
@@ -287,12 +379,13 @@ class IncrementalClient(ClientHalf):
             adapters = [p for n, p in params.items() if n not in HEAD]
             lr = rt.optimizer().lr  # lr-decay applies to both groups
             groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": (cfg.head_lr or cfg.lr) * lr / cfg.lr}]
-            masked = MaskedLogits(model, logit_mask(cfg.classifier, cfg.classes_per_task, self.task,
-                                                    model.head.out_features))
+            mask = logit_mask(cfg.classifier, cfg.classes_per_task, self.task, model.head.out_features)
+            masked = MaskedLogits(model, mask)
             torch.manual_seed(rt.seed(2))
             loader = make_loader(train, cfg.batch_size, True, rt.seed(1))
-            metrics.update(train_epochs(masked, loader, epochs=cfg.local_epochs, optimizer=rt.optimizer(),
-                                        device=rt.device, param_groups=groups))
+            with frozen_rows(model.head, ~mask):
+                metrics.update(train_epochs(masked, loader, epochs=cfg.local_epochs, optimizer=rt.optimizer(),
+                                            device=rt.device, param_groups=groups))
             if cfg.classifier == "aac" and cfg.aac_prototype == "feature-mean":
                 with torch.no_grad():
                     set_block_mean(model.head.weight, cfg.classes_per_task, self.task,
@@ -518,11 +611,46 @@ class PFedMxF(IncrementalStrategy):
         self.allocator = FrequencyAllocator(list(self.modules.values()), cfg.seed, cfg.conjugate_aware,
                                             shared=cfg.frequency_sharing == "shared")
         self.blocks: dict[tuple[int, str], SiteBlock] = {}  # (task, client) -> its coefficients and weight
+        self.plan_checked = False
 
     def n_frequency(self, node_id: int) -> int:
         return int(self.nodes[node_id].extra.get("n-frequency", self.cfg.n_frequency))
 
+    def check_plan(self) -> None:
+        """Refuse, before round 1 sends anything to train, a run whose blocks would not fit: every known site
+        (with its own budget) in every task, against the usable coordinates of every adapted q/k shape."""
+        nodes = self.ordered_nodes()
+        budgets = [self.n_frequency(n) for n in nodes]
+        plan = plan_capacity(list(self.modules.values()), budgets, self.num_tasks, self.cfg.conjugate_aware,
+                             self.allocator.shared)
+        rows, cols = plan.shape
+        usable = ("conjugate classes (conjugate-aware=true)" if self.cfg.conjugate_aware
+                  else "coordinates (conjugate-aware=false)")
+        if plan.fits:
+            log(INFO, "[medflower] pfedmxf plan: %d tasks x %d per task = %d of the %d usable %s of a %dx%d matrix",
+                plan.tasks, plan.per_task, plan.need, plan.capacity, usable, rows, cols)
+            return
+        key, value = ("pfedmxf-n-frequency", self.cfg.pfedmxf_n_frequency) if self.cfg.pfedmxf_n_frequency \
+            else ("n-frequency", self.cfg.n_frequency)
+        uniform = set(budgets) == {self.cfg.n_frequency} and not self.cfg.pfedmxf_n_frequency  # n-frequency alone
+        limit = f"lower n-frequency to at most {plan.largest}"
+        if plan.shared:
+            uses = (f"frequency-sharing='shared' takes one block per task as long as the largest budget: "
+                    f"{plan.tasks} tasks x {plan.per_task}")
+        elif uniform:
+            uses = f"{len(budgets)} sites x {plan.tasks} tasks x {budgets[0]}"
+        else:
+            sites = ", ".join(f"{self.nodes[n].client}={b}" for n, b in zip(nodes, budgets))
+            uses = (f"the sites' budgets ({sites}; a node-config n-frequency wins) sum to {plan.per_task} per "
+                    f"task; {plan.tasks} tasks x {plan.per_task}")
+            limit += f" for every site, or make the budgets sum to at most {plan.capacity // plan.tasks} per task"
+        raise _bad(key, value, f"{uses} = {plan.need} coordinates needed, but a {rows}x{cols} q/k matrix has "
+                               f"{plan.capacity} usable {usable}; {limit}")
+
     def before_round(self, task: int, nodes: list[int]) -> None:
+        if not self.plan_checked:  # the first round this process runs: the sites and their budgets are known
+            self.check_plan()
+            self.plan_checked = True
         for node_id in nodes:  # lexicographic (task, partition id): nodes come in partition order
             info = self.nodes[node_id]
             allocation = self.allocator.allocate(task, info.client, info.partition_id, self.n_frequency(node_id))
@@ -563,9 +691,31 @@ class PFedMxF(IncrementalStrategy):
                             *self.head_spec.items()])
 
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
+        if self.allocator.shared:
+            self.merge_shared(task, replies)
+            return
         for reply in replies:
             self.blocks[(task, reply.client)] = SiteBlock(
                 OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules), reply.num_examples)
+
+    def merge_shared(self, task: int, replies: list[Reply]) -> None:
+        """``frequency-sharing='shared'``: the task's block becomes the n_k-weighted mean of this round's replies
+        where one holds a position, its previous value elsewhere (``shared_block_mean``); every holder's stored
+        block then carries that value, so ``union`` returns it and no site's older coefficients enter it."""
+        holders = [a for a in self.allocator.allocations if a.task == task]
+        stored = [self.blocks[(task, a.client)] for a in holders]
+        length = max(a.n for a in holders)
+        weights = {r.client: r.num_examples for r in replies}
+        merged = {}
+        for name in self.modules:
+            previous = shared_block_mean(np.zeros((2, length), np.float32), [b.coefficients[name] for b in stored],
+                                         [b.weight for b in stored])  # what union() gives now
+            merged[name] = shared_block_mean(previous, [r.arrays[f"{name}.coefficients"] for r in replies],
+                                             [r.num_examples for r in replies])
+        for allocation, block in zip(holders, stored):
+            self.blocks[(task, allocation.client)] = SiteBlock(
+                OrderedDict((name, merged[name][:, :allocation.n].copy()) for name in self.modules),
+                weights.get(allocation.client, block.weight))
 
     # ------------------------------------------------------------------ persistence
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
