@@ -10,8 +10,8 @@ File layout::
     metrics: [auc, accuracy]       # columns of the table (default auc, accuracy, balanced_accuracy)
     per-client: false              # true: also one table per metric with every site's value
     reference: local               # optional, with per-client: each run's Δm against this run (below)
-    targets:                       # optional: rounds until the mean over sites first reaches each value
-      metric: balanced_accuracy
+    targets:                       # optional: rounds until the mean over sites (or a pooled metric) first
+      metric: balanced_accuracy    # reaches each value
       values: [0.55, 0.65, 0.75]
     base: {num-rounds: 5}          # run-config shared by every run
     runs:
@@ -22,6 +22,8 @@ Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mod
 this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
 over seeds of the final mean-over-clients metrics, bytes per round) and ``curves.png``.
+Metrics are summary.json's ``final`` entries: means over sites, or ``pooled_balanced_accuracy`` /
+``pooled_accuracy`` (all sites' test rows together, from the server's round records; no per-site value).
 Δm (FedBKD's Table 1): the mean over sites of (site's value − the reference run's value for that
 site), in points (×100), per metric, over the sites that report the metric in both runs.
 """
@@ -41,7 +43,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, ExperimentConfig, defaults, safe_name
-from .results import read_records, task_curve_layout
+from .results import POOLED, read_records, task_curve_layout
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
 
@@ -85,6 +87,20 @@ def load_plan(path: Path) -> dict[str, Any]:
         raise ExperimentFileError(f"{path}: 'reference' {plan['reference']!r} is not one of the runs "
                                   f"({', '.join(sorted(names))})")
     return plan
+
+
+def select_runs(plan: dict[str, Any], only: str) -> dict[str, Any]:
+    """The plan restricted to the comma-separated run names ``only`` ('' = every run), in the file's order."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        return plan
+    known = [run["name"] for run in plan["runs"]]
+    if unknown := [n for n in names if n not in known]:
+        raise ExperimentFileError(f"--only names {', '.join(unknown)}, which the file does not list "
+                                  f"(its runs: {', '.join(known)})")
+    if plan.get("reference") is not None and plan["reference"] not in names:
+        raise ExperimentFileError(f"--only must include the reference run {plan['reference']!r}")
+    return {**plan, "runs": [run for run in plan["runs"] if run["name"] in names]}
 
 
 def delta_m(row: dict[str, float | None], reference: dict[str, float | None]) -> float | None:
@@ -160,9 +176,10 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             for metric in plan["metrics"]:
                 finals[metric].append(summary["final"].get(metric))
                 for client, values in summary["per_client"].items():
-                    clients[metric][client].append(values.get(metric))
+                    if metric in values:  # pooled metrics have no per-site value
+                        clients[metric][client].append(values[metric])
             if plan.get("targets"):
-                for target, reached in rounds_to_targets(plan, run_evals(plan, out_dir, run, seed)).items():
+                for target, reached in rounds_to_targets(plan, run_records(plan, out_dir, run, seed)).items():
                     finals[f"rounds_to_{target}"].append(reached)
             rounds = max(summary["rounds"], 1)
             finals["bytes_per_round"].append((summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds)
@@ -183,14 +200,24 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return result
 
 
-def rounds_to_targets(plan: dict[str, Any], evals: list[dict[str, Any]]) -> dict[str, int | None]:
-    """For each target value: the first round whose mean over sites of the target metric reaches it (None: never)."""
-    metric = plan["targets"]["metric"]
+def round_values(records: list[dict[str, Any]], metric: str) -> dict[int, float]:
+    """Per round, the server record's value of ``metric`` (a pooled metric), else the mean over the sites' eval
+    records (records without a kind count as eval records)."""
     by_round: dict[int, list[float]] = defaultdict(list)
-    for record in evals:
-        if record.get(metric) is not None:
+    server = {int(r["round"]): float(r[metric]) for r in records
+              if r.get("kind") == "server" and isinstance(r.get(metric), (int, float))}
+    if server:
+        return dict(sorted(server.items()))
+    for record in records:
+        if record.get("kind", "eval") == "eval" and isinstance(record.get(metric), (int, float)):
             by_round[int(record["round"])].append(float(record[metric]))
-    means = [(rnd, statistics.fmean(values)) for rnd, values in sorted(by_round.items())]
+    return {rnd: statistics.fmean(values) for rnd, values in sorted(by_round.items())}
+
+
+def rounds_to_targets(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, int | None]:
+    """For each target value: the first round whose value of the target metric (the mean over sites, or the
+    pooled value) reaches it (None: never)."""
+    means = round_values(records, plan["targets"]["metric"]).items()
     return {str(target): next((rnd for rnd, mean in means if mean >= float(target)), None)
             for target in plan["targets"]["values"]}
 
@@ -210,11 +237,14 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     targets = [str(t) for t in plan["targets"]["values"]] if plan.get("targets") else []
     target_heads = [f"rounds to {float(t):.0%}" for t in targets]
     head = "| run | " + " | ".join(metrics + target_heads) + " | MB per round |"
-    lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics; "
-             f"{plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + len(targets) + 1)]
+    pooled = [m for m in metrics if m in POOLED]
+    lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics"
+             + (f" ({', '.join(pooled)}: all sites' test rows pooled)" if pooled else "")
+             + f"; {plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + len(targets) + 1)]
     if targets:
-        lines[0] += (f" Rounds to x%: the first round whose mean over sites of {plan['targets']['metric']} "
-                     f"reaches x, averaged over the seeds that reach it.")
+        target = plan["targets"]["metric"]
+        lines[0] += (f" Rounds to x%: the first round whose {'' if target in POOLED else 'mean over sites of '}"
+                     f"{target} reaches x, averaged over the seeds that reach it.")
     for name, row in table.items():
         cells = []
         for metric in metrics:
@@ -234,6 +264,8 @@ def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
     out = []
     for metric in plan["metrics"]:
         clients = sorted({c for row in per_client.values() for c in row.get(metric, {})})
+        if not clients:  # a pooled metric: no per-site value
+            continue
         extra = [f"Δm vs {plan['reference']} (points)"] if deltas is not None else []
         out += ["", f"{metric} per site (mean over seeds {plan['seeds']}):", "",
                 "| run | " + " | ".join(clients + ["mean"] + extra) + " |",
@@ -248,9 +280,10 @@ def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
     return "\n".join(out) + "\n"
 
 
-def run_evals(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+def run_records(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    """A run's eval records and server round records (where the pooled metrics are)."""
     return [r for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
-            if r.get("kind") == "eval"]
+            if r.get("kind") in ("eval", "server")]
 
 
 def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
@@ -265,7 +298,7 @@ def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
     for run in plan["runs"]:
         curves: dict[int, list[list[float]]] = defaultdict(list)  # task -> curves of every site and seed
         for seed in plan["seeds"]:
-            for r in run_evals(plan, out_dir, run, seed):
+            for r in run_records(plan, out_dir, run, seed):
                 if isinstance(r.get("auc_curve"), list):
                     curves[int(r.get("task", r["round"]))].append(r["auc_curve"])
         starts, xs, ys = task_curve_layout(curves)
@@ -283,14 +316,14 @@ def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
 
 
 def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
-    """Mean-over-clients test metric per round, averaged over seeds, one line per run (continual runs:
+    """Mean-over-clients (or pooled) test metric per round, averaged over seeds, one line per run (continual runs:
     the per-epoch AUC curves instead)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = run_evals(plan, out_dir, plan["runs"][0], plan["seeds"][0])
+    first = run_records(plan, out_dir, plan["runs"][0], plan["seeds"][0])
     if any("auc_curve" in r for r in first):
         plot_task_overlay(plan, out_dir)
         return
@@ -306,13 +339,8 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
         for ax, metric in zip(axes[0], metrics):
             per_round: dict[int, list[float]] = defaultdict(list)
             for seed in plan["seeds"]:
-                evals = [r for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
-                         if r.get("kind") == "eval" and isinstance(r.get(metric), (int, float))]
-                by_round: dict[int, list[float]] = defaultdict(list)
-                for r in evals:
-                    by_round[r["round"]].append(r[metric])
-                for rnd, vals in by_round.items():
-                    per_round[rnd].append(statistics.fmean(vals))
+                for rnd, value in round_values(run_records(plan, out_dir, run, seed), metric).items():
+                    per_round[rnd].append(value)
             if per_round:
                 xs = sorted(per_round)
                 ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], marker="o", ms=3, label=run["name"],
@@ -338,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr",
                         help="flwr: every run through `flwr run` (default); inprocess: quick checks")
     parser.add_argument("--compare-only", action="store_true", help="only rebuild the table and curves")
+    parser.add_argument("--only", default="", help="comma-separated run names: run and compare just these")
     args = parser.parse_args(argv)
     try:
-        plan = load_plan(args.file)
+        plan = select_runs(load_plan(args.file), args.only)
     except ExperimentFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
-"""Run outputs: metrics.jsonl, summary.json, summary.md and curves.png (DESIGN.md section 4).
+"""Run outputs: metrics.jsonl, summary.json, summary.md and curves.png (docs/experiments.md, "Outputs").
 
 ``metrics.jsonl`` has one JSON object per line:
 - ``{"kind": "train"|"eval", "round": r, "client": name, <metric>: value, ...}`` per client;
-- ``{"kind": "server", "round": r, "bytes_up", "bytes_down", "num_failed", "num_rejected", ...}``.
+- ``{"kind": "server", "round": r, "bytes_up", "bytes_down", "num_failed", "num_rejected", ...}``, with
+  ``pooled_balanced_accuracy``, ``pooled_accuracy``, ``pooled_n`` and ``pooled_sites`` when classification
+  sites sent confusion counts (the metrics on the union of the answering sites' test splits).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 HEADLINE = ("auc", "accuracy", "balanced_accuracy", "dice", "iou", "loss")
+POOLED = ("pooled_balanced_accuracy", "pooled_accuracy")  # server-side metrics of the round (no per-site value)
 
 
 def _clean(value: Any) -> Any:
@@ -72,12 +75,14 @@ class RunRecorder:
         if server:
             s = server[-1]
             parts.append(f"up={s['bytes_up'] / 1e6:.2f}MB down={s['bytes_down'] / 1e6:.2f}MB")
+            parts += [f"{m}={s[m]:.3f}" for m in POOLED if isinstance(s.get(m), (int, float))]
             if s.get("num_failed") or s.get("num_rejected"):
                 parts.append(f"failed={s['num_failed']} rejected={s['num_rejected']}")
         return f"mean over {len(evals)} clients: " + " ".join(parts)
 
     def summary(self, strategy: str, dataset: str, wall_time_s: float, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """summary.json's content: the last evaluation of every client and their mean."""
+        """summary.json's content: the last evaluation of every client and their mean, plus the pooled metrics of
+        the last round that has them."""
         last: dict[str, dict[str, Any]] = {}
         for r in self.records("eval"):
             last[r["client"]] = r
@@ -88,6 +93,8 @@ class RunRecorder:
                                if k not in ("round", "n") and isinstance(v, (int, float))})
         final = {m: _mean(r.get(m) for r in per_client.values()) for m in metric_names}
         server = self.records("server")
+        pooled = next((r for r in reversed(server) if any(m in r for m in POOLED)), {})
+        final.update({m: pooled[m] for m in POOLED if m in pooled})
         return {
             "strategy": strategy,
             "dataset": dataset,
@@ -250,6 +257,8 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     for client, values in summary["per_client"].items():
         lines.append(f"| {client} | " + " | ".join(_fmt(values.get(m)) for m in metrics) + " |")
     lines.append("| **mean** | " + " | ".join(_fmt(summary["final"].get(m)) for m in metrics) + " |")
+    if any(m in summary["final"] for m in POOLED):
+        lines.append("| **pooled** (all test rows) | " + " | ".join(_fmt(summary["final"].get(f"pooled_{m}")) for m in metrics) + " |")
     comm = summary["communication"]
     lines += [
         "",

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from medflower.experiments import delta_m, ExperimentFileError, load_plan, main, rounds_to_targets
+from medflower.experiments import delta_m, ExperimentFileError, load_plan, main, rounds_to_targets, select_runs
 
 TINY_BASE = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
              "num-rounds": 2, "partition": "iid"}
@@ -96,3 +96,21 @@ def test_the_pretrained_encoder_stand_in_is_what_a_run_loads(tmp_path, capsys):
     assert source == f"file:{out}" and not any(k.startswith(("head.", "decoder.")) for k in saved)
     for name, tensor in model.state_dict().items():
         assert name in saved and bool((tensor == saved[name]).all()), name
+
+
+def test_only_runs_and_compares_the_named_runs_in_the_files_order(tmp_path):
+    plan = {"name": "part", "num-supernodes": 2, "seeds": [0], "metrics": ["auc"],
+            "base": {**TINY_BASE, "num-rounds": 1},
+            "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"},
+                     {"name": "fedprox", "strategy": "fedprox"}]}
+    path = write_yaml(tmp_path / "part.yaml", plan)
+    assert [r["name"] for r in select_runs(load_plan(path), "fedprox, fedavg")["runs"]] == ["fedavg", "fedprox"]
+    assert select_runs(load_plan(path), "")["runs"] == load_plan(path)["runs"]
+    with pytest.raises(ExperimentFileError, match="--only names fedavgg, which the file does not list"):
+        select_runs(load_plan(path), "fedavgg")
+    with pytest.raises(ExperimentFileError, match="must include the reference run 'local'"):
+        select_runs({**load_plan(path), "reference": "local"}, "fedavg")
+    assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess", "--only", "local"]) == 0
+    out = tmp_path / "out" / "part"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["local-seed0"]
+    assert set(json.loads((out / "comparison.json").read_text())["table"]) == {"local"}

@@ -1,5 +1,6 @@
-"""SiFT: every site trains once per round in the seeded cyclic order, the pair really passes along, a failed
-site is skipped, the EMA is exact (BatchNorm statistics included), a run stopped mid-round resumes to the same
+"""SiFT: every site trains once per round in the seeded cyclic order, the pair really passes along, a silent
+site in the middle of the order is skipped and the next one gets the pair it was sent, sites report the pooled
+balanced accuracy, the EMA is exact (BatchNorm statistics included), a run stopped mid-round resumes to the same
 result, the head and projector get no gradient unless the variant says so, a local text encoder gives one row
 per class, and bad configurations are named."""
 
@@ -17,6 +18,7 @@ from medflower.models import ModelError, build_model
 from medflower.models.text_head import encode_class_texts
 from medflower.strategies.base import Checkpointer, from_record
 from medflower.strategies.sift import LONG, SHORT, ema_update, split_pair
+from medflower.training.metrics import CONFUSION, pooled_metrics
 
 NUM_NODES = 4
 
@@ -102,7 +104,8 @@ def test_the_long_term_model_is_the_exact_ema_of_the_short_term_one_batchnorm_in
 
 
 def test_sites_evaluate_the_long_term_model_and_single_sends_the_short_term_model_alone(sift, replies):
-    run_inprocess(sift(**{"run-name": "pair", "num-rounds": 1}), 2)
+    config = sift(**{"run-name": "pair", "num-rounds": 1})
+    summary, _ = run_inprocess(config, 2)
     evaluations = [(m, r) for m, r in replies if m.metadata.message_type == "evaluate"]
     last_pair = from_record(train_hops(replies)[-1][2].content["arrays"])
     for m, _ in evaluations:
@@ -110,28 +113,37 @@ def test_sites_evaluate_the_long_term_model_and_single_sends_the_short_term_mode
         assert list(sent) == [k[len(LONG):] for k in last_pair if k.startswith(LONG)]
         for k, v in sent.items():
             np.testing.assert_array_equal(v, last_pair[LONG + k])
+    # the paper's metric: balanced accuracy on the sites' test splits pooled, from the counts they sent
+    counts = sum(np.reshape(r[CONFUSION], (8, 8)) for r in records(Path(config["output-dir"]) / "pair", "eval"))
+    assert summary["final"]["pooled_balanced_accuracy"] == pooled_metrics(counts)["pooled_balanced_accuracy"]
     replies.clear()
     run_inprocess(sift(**{"run-name": "single", "num-rounds": 1, "sift-variant": "single"}), 2)
     assert all(k.startswith(SHORT) for k in from_record(train_hops(replies)[-1][2].content["arrays"]))
 
 
-def test_a_failed_site_is_skipped_and_the_pair_goes_to_the_next(sift, replies):
+def test_a_silent_site_in_the_middle_of_the_order_is_skipped_and_the_next_gets_the_pair_it_was_sent(sift, replies):
     config = sift(**{"run-name": "drop", "num-rounds": 1})
-    dropped = 3  # node id
+    trains = []
 
-    summary, _ = run_inprocess(config, NUM_NODES, drop=lambda node, m: node == dropped and m.metadata.message_type == "train")
+    def silent_second_site(node, message):  # the second site of the order: neither the first nor the last
+        if message.metadata.message_type != "train":
+            return False
+        trains.append(node)
+        return len(trains) == 2
+
+    run_inprocess(config, NUM_NODES, drop=silent_second_site)
     hops = train_hops(replies)
-    assert len(hops) == NUM_NODES
-    for i, (_, sent, reply) in enumerate(hops):
-        if sent.metadata.dst_node_id == dropped:
-            assert reply is None
-            before = hops[i - 1][2] if i else None
-            after = from_record(hops[i + 1][1].content["arrays"]) if i + 1 < len(hops) else None
-            if before is not None and after is not None:  # the pair skips the silent site unchanged
-                for k, v in from_record(before.content["arrays"]).items():
-                    np.testing.assert_array_equal(after[k], v)
-    server = records(Path(config["output-dir"]) / "drop", "server")[0]
-    assert server["num_failed"] == 1 and len(records(Path(config["output-dir"]) / "drop", "train")) == NUM_NODES - 1
+    assert [m.metadata.dst_node_id for _, m, _ in hops] == trains and len(hops) == NUM_NODES
+    (_, _, first_reply), (_, to_silent, silent_reply), (_, to_next, next_reply) = hops[:3]
+    assert first_reply is not None and silent_reply is None and next_reply is not None
+    sent, received = from_record(to_silent.content["arrays"]), from_record(to_next.content["arrays"])
+    assert list(received) == list(sent)
+    for name in sent:  # the pair goes on unchanged: exactly what the silent site was sent
+        np.testing.assert_array_equal(received[name], sent[name])
+    run_dir = Path(config["output-dir"]) / "drop"
+    server = records(run_dir, "server")[0]
+    assert server["num_failed"] == 1 and server["failed"][0].endswith(": no reply")
+    assert [r["position"] for r in records(run_dir, "train")] == [0, 2, 3]
 
 
 class Crash(RuntimeError):

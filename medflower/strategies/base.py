@@ -37,6 +37,7 @@ from ..data.tasks import parse_task_classes
 from ..models import AdaptedModel, build_model
 from ..results import RunRecorder
 from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
+from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
 
 ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -407,8 +408,31 @@ class FederatedStrategy:
             log(WARNING, "[medflower] round %d: no valid training reply; the model is unchanged", rnd)
         self.stats.aggregation_s += time.monotonic() - started
         contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
-        for reply in self.exchange(grid, "evaluate", contents, rnd):
-            self.recorder.log_client(rnd, reply.client, "eval", reply.metrics)
+        self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd))
+
+    def record_evaluation(self, rnd: int, replies: list[Reply]) -> None:
+        """Log each site's evaluation and put the pooled metrics of the round into its server record.
+
+        Pooled: the sum of the valid ``confusion`` counts of the sites that answered, i.e. the metric on the
+        union of their test splits (SiFT reports balanced accuracy on one pooled test set). Counts are untrusted:
+        a malformed one is logged, counted as rejected and left out; the site's other metrics are kept.
+        """
+        width = self.model_classes(self.num_classes)
+        total, sites = np.zeros((width, width), dtype=np.int64), 0
+        for reply in replies:
+            metrics = dict(reply.metrics)
+            if CONFUSION in metrics:
+                counts, problem = check_confusion(metrics[CONFUSION], width, metrics.get("n"))
+                if problem:
+                    log(WARNING, "[medflower] %s %d evaluate: ignored the counts of %s: %s", self.round_label, rnd,
+                        reply.client, problem)
+                    self.stats.rejected.append(f"{reply.client}: {problem}")
+                    del metrics[CONFUSION]
+                else:
+                    total, sites = total + counts, sites + 1
+            self.recorder.log_client(rnd, reply.client, "eval", metrics)
+        if total.sum() > 0:
+            self.stats.extra.update(pooled_metrics(total), pooled_sites=sites)
 
     def reply_spec(self, node_id: int) -> ArraySpec | None:
         """Arrays node ``node_id``'s training reply must carry (the same for every node, by default)."""
@@ -538,13 +562,18 @@ class ClientRuntime:
                             extra_loss=extra_loss)
 
     def evaluate_splits(self, splits: Iterable[str] = ("val", "test"),
-                        model: torch.nn.Module | None = None) -> dict[str, float]:
-        """Metrics of ``model`` (default: the site's model): test metrics unprefixed, others as '<split>_<metric>'."""
-        out: dict[str, float] = {}
+                        model: torch.nn.Module | None = None) -> dict[str, Any]:
+        """Metrics of ``model`` (default: the site's model): test metrics unprefixed, others as '<split>_<metric>'.
+
+        A classification site also sends its test split's confusion counts (``confusion``, C×C ints) for the
+        server's pooled metrics, unless the sites hold different datasets (``site-datasets``: no shared labels).
+        """
+        out: dict[str, Any] = {}
         for split in splits:
             if len(getattr(self.data, split)) == 0:
                 continue
-            metrics = evaluate(self.model if model is None else model, self.loader(split), self.device, self.data.class_names)
+            metrics = evaluate(self.model if model is None else model, self.loader(split), self.device, self.data.class_names,
+                               confusion=split == "test" and not self.cfg.site_dataset_list)
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
         return out
 
@@ -612,6 +641,13 @@ class PersonalState:
             return OrderedDict((k, f.get_tensor(k)) for k in order)
 
 
+def _metric_list(values: list | tuple) -> list[int] | list[float]:
+    """A list metric as MetricRecord takes it: ints stay ints (counts), anything else becomes float."""
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in values):
+        return [int(x) for x in values]
+    return [float(x) for x in values]
+
+
 class ClientHalf:
     """Client half of a method: one method per message category (and custom actions)."""
 
@@ -631,9 +667,9 @@ class ClientHalf:
         metrics = self.rt.evaluate_splits()
         return self.reply(metrics=metrics)
 
-    def reply(self, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping[str, float] | None = None) -> RecordDict:
+    def reply(self, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping[str, Any] | None = None) -> RecordDict:
         content = RecordDict({
-            "metrics": MetricRecord({k: [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+            "metrics": MetricRecord({k: _metric_list(v) if isinstance(v, (list, tuple)) else float(v)
                                      for k, v in (metrics or {}).items()}),
             "info": ConfigRecord({"partition-id": self.rt.partition_id, "client": self.rt.client}),
         })

@@ -1,4 +1,4 @@
-"""SiFT (seed 002, DESIGN 3.4): serial federated learning with a short-term model, an EMA long-term model and a
+"""SiFT (docs/methods/sift.md): serial federated learning with a short-term model, an EMA long-term model and a
 frozen text-embedding classifier head.
 
 Server half (``SiFT``): a seeded cyclic order of the sites (by partition id, fixed at round 1; sites that join
@@ -7,7 +7,9 @@ waits for its reply, sends the reply's pair to the next site, and so on: every s
 round, the pair passes from site to site through the SuperLink, and the server only relays and records (no
 aggregation). A site that fails or sends an invalid pair is skipped and the pair it received goes to the next
 one. After every hop the pair, the order and the position in the round are checkpointed, so ``resume-from``
-continues mid-round exactly where the run stopped. After the round every site evaluates the long-term model.
+continues mid-round exactly where the run stopped. After the round every site evaluates the long-term model and
+the server sums the sites' test confusion counts into ``pooled_balanced_accuracy``: balanced accuracy on the union
+of the test splits, the metric the paper reports (beside the mean over sites).
 
 Client half (``SiFTClient``): ``local-epochs`` epochs of SGD on θ_s with cross-entropy on
 ``cos(w_c, P·F(x))/τ`` (``sift-lr-first`` in round 1, ``sift-lr`` after, ``sift-batch-size``; momentum and
@@ -20,7 +22,8 @@ never travel, unless ``sift-variant='trainable-proj'`` (P trains and travels wit
 model travels alone and is evaluated.
 
 What leaves a site: the pair (θ_s, θ_l) after its local training (with a fully trained backbone: every
-backbone parameter and BatchNorm statistic), plus n_k and the training loss; evaluation metrics.
+backbone parameter and BatchNorm statistic), plus n_k and the training loss; evaluation metrics, with the test
+split's C×C confusion counts (``confusion``, integers; no per-sample output).
 """
 
 from __future__ import annotations
@@ -141,8 +144,7 @@ class SiFT(FederatedStrategy):
         inference = self.inference_arrays()
         evaluation = {n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
                       for n in self.ordered_nodes()}
-        for reply in self.exchange(grid, "evaluate", evaluation, rnd):
-            self.recorder.log_client(rnd, reply.client, "eval", reply.metrics)
+        self.record_evaluation(rnd, self.exchange(grid, "evaluate", evaluation, rnd))
 
     def hop(self, grid: Grid, rnd: int, position: int, node_id: int | None) -> None:
         """Send the pair to the site at ``position``; keep its reply's pair if valid; checkpoint."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
 from .losses import one_hot_masks, task_loss
-from .metrics import classification_metrics, dice_iou_per_image, segmentation_metrics
+from .metrics import CONFUSION, classification_metrics, confusion_counts, dice_iou_per_image, segmentation_metrics
 
 # A method's extra loss term: (model, logits, labels) -> scalar tensor (e.g. FedProx's proximal term).
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,14 +111,18 @@ def predict(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch
 
 
 def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
-             class_names: list[str] | None = None) -> dict[str, float]:
-    """Classification: loss, accuracy, balanced accuracy, AUC and n. Segmentation: loss, Dice, IoU, n."""
+             class_names: list[str] | None = None, confusion: bool = False) -> dict[str, Any]:
+    """Classification: loss, accuracy, balanced accuracy, AUC and n, plus with ``confusion`` the flattened C×C
+    counts ``confusion`` (for the server's pooled metrics). Segmentation: loss, Dice, IoU, n."""
     if getattr(model, "task", "classification") == "segmentation":
         return evaluate_segmentation(model, loader, device, class_names)
     y, probs = predict(model, loader, device)
     eps = 1e-12
     loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + eps)))
-    return {"loss": loss, **classification_metrics(y, probs), "n": float(len(y))}
+    out: dict[str, Any] = {"loss": loss, **classification_metrics(y, probs), "n": float(len(y))}
+    if confusion:
+        out[CONFUSION] = confusion_counts(y, probs.argmax(axis=1), probs.shape[1])
+    return out
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, roc_auc_score
@@ -36,6 +37,47 @@ def classification_metrics(y_true: np.ndarray, probs: np.ndarray) -> dict[str, f
         "balanced_accuracy": balanced,
         "auc": auc_score(y_true, probs),
     }
+
+
+# ----------------------------------------------------------------------------- pooled over sites
+CONFUSION = "confusion"  # a site's evaluation metric: its test split's C×C counts, flattened row-major
+
+
+def confusion_counts(y_true: np.ndarray, pred: np.ndarray, num_classes: int) -> list[int]:
+    """What leaves a site for the pooled metrics: C×C counts (row = true class, column = predicted class),
+    flattened row-major; counts only, no per-sample output."""
+    flat = np.asarray(y_true, dtype=np.int64) * num_classes + np.asarray(pred, dtype=np.int64)
+    return [int(c) for c in np.bincount(flat, minlength=num_classes * num_classes)]
+
+
+def check_confusion(values: Any, num_classes: int, n: Any = None) -> tuple[np.ndarray | None, str | None]:
+    """A node's confusion counts as a [C, C] int64 matrix, or (None, why not): they must be C×C non-negative
+    finite integers adding up to the site's reported test size ``n`` (when it reports one)."""
+    if not isinstance(values, (list, tuple)):
+        return None, f"confusion counts are a {type(values).__name__}, not a list"
+    if len(values) != num_classes * num_classes:
+        return None, f"{len(values)} confusion counts, expected {num_classes}×{num_classes} = {num_classes ** 2}"
+    if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
+        return None, "confusion counts are not numbers"
+    counts = np.asarray(values, dtype=np.float64)
+    if not np.isfinite(counts).all() or (counts < 0).any() or (counts >= 2 ** 53).any() \
+            or (counts != np.round(counts)).any():
+        return None, "confusion counts must be non-negative finite integers (below 2^53)"
+    if isinstance(n, (int, float)) and counts.sum() != n:
+        return None, f"confusion counts add up to {counts.sum():.0f}, but the site reports n = {n}"
+    return counts.astype(np.int64).reshape(num_classes, num_classes), None
+
+
+def pooled_metrics(confusion: np.ndarray) -> dict[str, float]:
+    """Accuracy and balanced accuracy on the union of the sites' test splits from their summed [C, C] counts
+    (SiFT's evaluation metric): trace / total, and the mean over classes with test samples of recall
+    TP_c / support_c (sklearn's ``balanced_accuracy_score`` on the concatenated predictions)."""
+    support = confusion.sum(axis=1)
+    present = support > 0
+    recall = np.diag(confusion)[present] / support[present]
+    return {"pooled_balanced_accuracy": float(recall.mean()),
+            "pooled_accuracy": float(np.trace(confusion) / support.sum()),
+            "pooled_n": float(support.sum())}
 
 
 def dice_iou_per_image(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
