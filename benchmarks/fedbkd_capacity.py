@@ -5,6 +5,8 @@ For each β a fresh Python process builds a ViT classifier (random weights), cut
 and trains it with Adam on random images for ``--steps`` steps after one warm-up step. Reported:
 
 - ``encoder_params``: parameters of the sub-encoder (what the site trains and sends, besides the indices);
+- ``ffn_params``: the part of them in the FFNs, the only part β shrinks (the rest, attention, norms and
+  patch embedding, stays whole at every β);
 - ``uplink_mb``: its float32 bytes plus the int64 kept indices;
 - ``peak_rss_mb``: the process's peak resident memory (model, gradients, Adam state, activations);
 - ``step_s``: mean seconds per training step of ``--batch`` images;
@@ -45,6 +47,7 @@ def measure_one(backbone: str, img_size: int, capacity: float, batch: int, steps
     del model
     encoder = {k: v for k, v in sub.trainable_parameters().items() if k.startswith("backbone.")}
     params = sum(p.numel() for p in encoder.values())
+    ffn_params = sum(p.numel() for m in ffn_modules(sub).values() for p in m.parameters())
     opt = torch.optim.Adam([p for p in sub.parameters() if p.requires_grad], lr=1e-4)
     x = torch.randn(batch, 3, img_size, img_size, device=device)
     y = torch.randint(0, 2, (batch,), device=device)
@@ -64,7 +67,7 @@ def measure_one(backbone: str, img_size: int, capacity: float, batch: int, steps
     step_s = float(np.mean(times))
     peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"capacity": capacity, "encoder_params": params,
+    return {"capacity": capacity, "encoder_params": params, "ffn_params": ffn_params,
             "uplink_mb": (4 * params + 8 * sum(len(v) for v in kept.values())) / 1e6,
             "peak_memory_mb": peak, "step_s": step_s, "epoch_s_per_1000": step_s * 1000 / batch}
 
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                               str(args.steps), "--device", args.device], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
+    other = {r["encoder_params"] - r["ffn_params"] for r in rows}
+    print(f"\nnon-FFN encoder parameters (the same at every β): {', '.join(f'{o:,}' for o in sorted(other))}")
     memory = "peak GPU memory MB" if args.device == "cuda" else "peak RSS MB"
     print(f"\n| β | encoder parameters | uplink MB | {memory} | s per step ({args.batch} images) | s per 1,000 images |")
     print("|---|---|---|---|---|---|")

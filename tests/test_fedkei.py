@@ -219,6 +219,43 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
     assert len(list((run_dir / "checkpoint" / "pool").glob("task-*/*.safetensors"))) == 9
 
 
+def test_fine_tuning_starts_exactly_from_the_alpha_weighted_cluster_modules(tiny, monkeypatch):
+    """θ̃ = Σ_c α̂_c θ_c(β) (Eq. 5): the module the site fine-tunes from is built from the cluster modules the
+    server sent and the α̂ the site reports, adapter and head parts each with their own α̂."""
+    starts, replies = {}, {}
+    original_epochs, original_train = fk.train_epochs, fk.FedKEIClient.train
+
+    def spy_epochs(model, *args, **kwargs):
+        starts[len(starts)] = model.get_trainable()
+        return original_epochs(model, *args, **kwargs)
+
+    def spy_train(self, message):
+        first = len(starts)
+        content = original_train(self, message)
+        replies[(int(message.metadata.group_id), self.rt.client)] = (starts[first], message, content)
+        return content
+
+    monkeypatch.setattr(fk, "train_epochs", spy_epochs)
+    monkeypatch.setattr(fk.FedKEIClient, "train", spy_train)
+    config = tiny(**{**TASKS, "run-name": "init", "fedkei-k-adapter": 2, "fedkei-k-head": 2})
+    run_inprocess(config, num_nodes=2)
+    parts = fk.split_parts(build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(),
+                                       2).trainable_spec())
+    task2 = {client: value for (task, client), value in replies.items() if task == 2}
+    assert len(task2) == 2
+    for start, message, content in task2.values():
+        assert message.content["config"]["init"] == "clusters"
+        expected = {}
+        for part, spec in parts.items():
+            alpha = np.array(content["metrics"][f"alpha_{part}"])
+            clusters = message.content["arrays"][part].numpy()
+            assert alpha.shape == (clusters.shape[0],) and not np.allclose(alpha, 1 / len(alpha))  # α moved
+            expected.update(fk.unflatten(alpha.astype(np.float32) @ clusters, spec))
+        assert list(start) == list(expected)  # every trainable array comes from the clusters
+        for name, value in expected.items():
+            np.testing.assert_allclose(start[name], value, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("variant", ["rand", "fedavg-init", "A", "B", "C"])
 def test_variants_send_what_they_say_and_give_the_same_outputs(tiny, variant):
     config = tiny(**{**TASKS, "run-name": variant, "fedkei-variant": variant})

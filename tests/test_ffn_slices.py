@@ -1,7 +1,9 @@
 """FedBKD's building blocks: saliency and the kept neurons, the sub-encoder's forward pass, the covered merge
-and CKA (issue 8, DESIGN 3.5)."""
+and CKA (docs/methods/fedbkd.md)."""
 
+import re
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,3 +117,14 @@ def test_feature_spread_is_the_covariance_trace_or_its_top_eigenvalue():
     assert feature_spread(x, "top") == pytest.approx(np.linalg.eigvalsh(cov).max())
     with pytest.raises(ModelError, match="trace or top"):
         feature_spread(x, "max")
+
+
+def test_the_non_ffn_count_on_the_fedbkd_page_is_the_one_the_code_gives():
+    """The page's "7.49 M of ViT-S's 21.67 M" stays whole at every capacity: counted from timm's ViT-S/16."""
+    model = timm.create_model("vit_small_patch16_224", num_classes=0)
+    total = sum(p.numel() for p in model.parameters())
+    ffn = sum(p.numel() for m in ffn_modules(model).values() for p in m.parameters())
+    page = (Path(__file__).resolve().parents[1] / "docs" / "methods" / "fedbkd.md").read_text()
+    stated = re.search(r"([0-9.]+) M of ViT-S's ([0-9.]+) M", page)
+    assert stated, "the FedBKD page no longer states the non-FFN share of ViT-S"
+    assert (stated.group(1), stated.group(2)) == (f"{(total - ffn) / 1e6:.2f}", f"{total / 1e6:.2f}")

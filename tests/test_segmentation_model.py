@@ -119,6 +119,30 @@ def test_evaluate_reports_dice_iou_per_class():
     assert metrics["n"] == 4
 
 
+class _Shifted(nn.Module):
+    """Predicts the mask given in channel 0 of x moved two columns right: half of each 4-wide object is hit."""
+
+    task = "segmentation"
+
+    def forward(self, x):
+        mask = torch.roll(x[:, 0].round().long(), shifts=2, dims=2)
+        return (one_hot_masks(mask, 2) * 2 - 1) * 10
+
+
+def test_evaluate_gives_the_hand_computed_dice_and_iou():
+    """Image 0: class 1 is a 4x4 square, predicted half right (Dice 2*8/32 = 0.5, IoU 8/24); class 2 absent
+    in target and prediction (1 by convention). Image 1: class 1 the same; class 2 a 2x2 bar, shifted
+    off by two columns (Dice 0, IoU 0). Means: class 1 0.5, class 2 0.5; IoU 1/3 and 0.5."""
+    masks = torch.zeros(2, 8, 8, dtype=torch.int64)
+    masks[:, 0:4, 0:4] = 1
+    masks[1, 6:8, 4:6] = 2
+    x = masks[:, None].float().expand(-1, 3, -1, -1)
+    metrics = evaluate(_Shifted(), [(x, masks)], torch.device("cpu"), ["square", "bar"])
+    assert metrics["dice_square"] == pytest.approx(0.5) and metrics["iou_square"] == pytest.approx(1 / 3)
+    assert metrics["dice_bar"] == pytest.approx(0.5) and metrics["iou_bar"] == pytest.approx(0.5)
+    assert metrics["dice"] == pytest.approx(0.5) and metrics["iou"] == pytest.approx((1 / 3 + 0.5) / 2)
+
+
 def test_segmenter_learns_a_fixed_mask():
     """A few steps on one batch: the training loop uses BCE + Dice for segmentation models."""
     model = build_model(ModelSpec(adapter="bottleneck", **SEG), 1)
