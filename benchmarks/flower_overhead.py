@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
-    """The run config both runs use (run-config keys of the README's table)."""
+    """The run config both runs use (run-config keys: docs/run-config.md)."""
     return {
         "strategy": "fedavg",
         "num-rounds": args.rounds,

@@ -1,6 +1,6 @@
 """Start a real SuperLink and SuperNodes on loopback, run the app through ``flwr run``, stop them.
 
-Used by the end-to-end tests and the benchmark; it is also the scripted form of the README's
+Used by the end-to-end tests and the benchmark; it is also the scripted form of docs/deployment.md's
 "deployment by hand" steps. Every process gets its own ports and a private ``FLWR_HOME``, and
 only the processes started here are stopped (each in its own process group).
 """

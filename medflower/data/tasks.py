@@ -1,5 +1,5 @@
-"""Continual task streams from any classification source: FedKEI's binary tasks (DESIGN 3.2) and
-pFedMxF's class-incremental tasks (DESIGN 3.3, at the end of this module).
+"""Continual task streams from any classification source: FedKEI's binary tasks (docs/methods/fedkei.md) and
+pFedMxF's class-incremental tasks (docs/methods/pfedmxf.md, at the end of this module).
 
 A class order ``c_0, c_1, ..., c_T`` defines T tasks: task t (1-based) is binary, positive =
 the new class ``c_t``, negative = the classes seen before, ``{c_0, ..., c_{t-1}}`` (task 1 is

@@ -158,7 +158,7 @@ def check_num_classes(num_classes: int) -> None:
 
 
 def cosine_head(spec: ModelSpec, num_classes: int, feature_dim: int) -> CosineHead:
-    """SiFT's head (DESIGN 3.4): W from the spec's class-embedding source (or random with its shape), P a
+    """SiFT's head (docs/methods/sift.md): W from the spec's class-embedding source (or random with its shape), P a
     Gaussian [dim, feature_dim] from the spec's seed alone, so every node rebuilds the same frozen W and P."""
     embeddings = class_embedding_matrix(spec, num_classes)
     if spec.head == "random":

@@ -1,8 +1,8 @@
-"""Sub-encoders made of FFN neuron slices (FedBKD, seed 003, DESIGN 3.5, and its width-scaling baselines).
+"""Sub-encoders made of FFN neuron slices (FedBKD, docs/methods/fedbkd.md, and its width-scaling baselines).
 
 Every transformer block's feed-forward network is ``W2 · gelu(W1 x + b1) + b2`` (the paper's Eq. 1; timm's
 ``Mlp`` with ``fc1``/``act``/``fc2``). A sub-encoder keeps a subset of each block's d_ffn hidden neurons:
-rows of W1 and b1, columns of W2 (b2, attention and the model width stay whole, *decision* in DESIGN 3.5).
+rows of W1 and b1, columns of W2 (b2, attention and the model width stay whole, a decision where the paper is vague, docs/methods/fedbkd.md).
 Which neurons: the top-ψ ones (FedBKD's adaptive extraction, ψ = mean² + variance of the GELU activations,
 Eqs. 2-3), a prefix (HeteroFL), a rolling window (FedRolex) or a seeded random subset (FedDrop).
 

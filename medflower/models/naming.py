@@ -1,6 +1,6 @@
 """Selecting exchanged arrays by name: which adapter module a parameter belongs to, and depth order.
 
-Strategies see a model only as ``name -> array`` (DESIGN section 2), so LAT's "lowest L adapter
+Strategies see a model only as ``name -> array`` (the contract in docs/experiments.md), so LAT's "lowest L adapter
 modules" is computed from names alone, identically on the server and on every site.
 """
 

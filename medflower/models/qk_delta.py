@@ -1,9 +1,9 @@
 """Weight updates on the q and k slices of a fused ``qkv`` projection: spectral (FourierFT) and LoRA.
 
-pFedMxF (DESIGN 3.3) adapts only the query and key projections. timm fuses q, k and v into one
+pFedMxF (docs/methods/pfedmxf.md) adapts only the query and key projections. timm fuses q, k and v into one
 ``qkv`` Linear, and peft's FourierFT/LoRA adapt a whole module, so these are our own modules: a
 forward hook adds ``x @ [ΔW_q; ΔW_k]ᵀ`` to the q and k thirds of the output. Each keeps a frozen
-``merged`` update (the tasks already finished, DESIGN: "ΔW^t is merged into the frozen weights"),
+``merged`` update (the tasks already finished, the paper merges ΔW^t into the frozen weights),
 held as a buffer rather than written into the backbone so that one cached model can serve many sites.
 
 - ``SpectralQK``: ``ΔW = Re(IDFT2(S))·scale`` (peft FourierFT's ``get_delta_weight``, shown equal in a

@@ -86,7 +86,8 @@ def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
     check_num_classes(num_classes)
     family = backbone_family(resolve_backbone(spec.backbone))
     if family not in ("vit", "swin"):
-        raise ModelError(f"segmentation needs a ViT or Swin encoder (got {spec.backbone!r}, a {family} model)")
+        kind = "a ResNet" if family == "resnet" else "neither (SAM/MedSAM encoders are not supported yet)"
+        raise ModelError(f"segmentation needs a ViT or Swin encoder; {spec.backbone!r} is {kind}")
     with torch.random.fork_rng(devices=[]):
         backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
         reduction = spec.img_size // _grid_side(backbone, family, spec.img_size)

@@ -1,4 +1,4 @@
-"""SiFT's text-guided classifier (DESIGN 3.4): frozen class embeddings from a text encoder or a file, a frozen
+"""SiFT's text-guided classifier (docs/methods/sift.md): frozen class embeddings from a text encoder or a file, a frozen
 random projector shared through a seed, and cosine logits ``cos(w_c, P·F(x)) / τ``.
 
 Nothing is downloaded: a text encoder is a local model directory (transformers AutoTokenizer/AutoModel,

@@ -1,5 +1,5 @@
 """SCAFFOLD and FedDyn: client-drift corrections with per-site state, the baselines SiFT compares against
-(DESIGN 3.4), over the trainable arrays (adapters + head, or whatever the model trains).
+(docs/methods/baselines.md), over the trainable arrays (adapters + head, or whatever the model trains).
 
 Both keep a per-site array set in ``PersonalState`` (``context.state``, mirrored to the site's state folder,
 so a resumed run or a restarted site gets it back) and a server-side set in the checkpoint. Both use the

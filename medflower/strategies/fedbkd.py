@@ -1,4 +1,4 @@
-"""FedBKD (seed 003, DESIGN 3.5) and its baselines with the same capacities (HeteroFL, FedRolex, FedDrop, ...).
+"""FedBKD (docs/methods/fedbkd.md) and its baselines with the same capacities (HeteroFL, FedRolex, FedDrop, ...).
 
 Every site trains a sub-encoder of the server's ViT: each transformer block's FFN keeps ⌈β_k·d_ffn⌉ of its
 hidden neurons (``models/ffn_slices.py``), the rest of the encoder stays whole. β_k is the site's capacity:

@@ -1,4 +1,4 @@
-"""FedKEI (DESIGN 3.2, seed 000): continual learning of new diseases from a pool of past task modules.
+"""FedKEI (docs/methods/fedkei.md; equations of the FedKEI paper): continual learning of new diseases from a pool of past task modules.
 
 One run walks T binary tasks (``data/tasks.py``). A module θ = (LoRA adapter ω, head φ) is fine-tuned
 per task and client; the server keeps every θ_i^t in a knowledge pool on disk. Before task t ≥ 2 the
@@ -10,7 +10,7 @@ What leaves a site: after each task its fine-tuned module θ_i^t (adapter + head
 bi-level phase the gradients ∇_{θ_c} L_i w.r.t. the K cluster modules. What comes to a site: K
 cluster modules, twice (before and after the β step). Per task and client (3K+1)·|θ|.
 
-Decisions where the paper is vague (DESIGN 3.2 and the README):
+Decisions where the paper is vague (also in docs/methods/fedkei.md):
 - The outer loss (Eq. 7) is the mean task loss over the client's training split of the task at
   α_i^t, the α after the inner epoch; the test split stays untouched for the reported AUC.
 - Variant C sends ∇_{θ_c} L at α_i^t with α_i^t held fixed (β by plain gradient descent on the task

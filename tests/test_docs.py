@@ -1,0 +1,338 @@
+"""The documentation stays honest: links and anchors resolve, the run-config page is generated from the code,
+every strategy has a page, and every documented command names only keys, strategies, modules and files that
+exist. Fast: no training, no Flower processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from flwr.common.config import parse_config_args
+
+from medflower.config import OPTIONS, ConfigError, ExperimentConfig, defaults, run_config_markdown
+from medflower.strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RUN_CONFIG_DOC = ROOT / "docs" / "run-config.md"
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+# ----------------------------------------------------------------------------------------------- markdown parsing
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def split_fenced(text: str) -> tuple[str, list[str]]:
+    """(the text with fenced code blocks blanked out, the code blocks' contents)."""
+    prose, blocks, current, fence = [], [], [], None
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if fence is None and match:
+            fence, current = match.group(1), []
+            prose.append("")
+        elif fence is not None and line.strip().startswith(fence):
+            blocks.append("\n".join(current))
+            fence = None
+            prose.append("")
+        elif fence is not None:
+            current.append(line)
+            prose.append("")
+        else:
+            prose.append(line)
+    return "\n".join(prose), blocks
+
+
+def strip_code_spans(text: str) -> str:
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def inline_code_spans(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", split_fenced(text)[0])
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link text kept, lowercase, punctuation except '-' and '_' dropped,
+    each space a hyphen."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    text = text.lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    prose, _ = split_fenced(path.read_text())
+    seen: dict[str, int] = {}
+    out = set()
+    for line in prose.split("\n"):
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = github_slug(match.group(1))
+        if slug in seen:
+            seen[slug] += 1
+            out.add(f"{slug}-{seen[slug]}")
+        else:
+            seen[slug] = 0
+            out.add(slug)
+    return out
+
+
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def links(path: Path) -> list[str]:
+    prose, _ = split_fenced(path.read_text())
+    return _LINK.findall(strip_code_spans(prose))
+
+
+# ------------------------------------------------------------------------------------------------------ 1. links
+
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
+    problems = []
+    for target in links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        resolved = (path.parent / file_part).resolve() if file_part else path
+        where = f"{path.relative_to(root)}: link {target!r}"
+        if not resolved.exists():
+            problems.append(f"{where}: {resolved} does not exist")
+            continue
+        if anchor:
+            if resolved.suffix != ".md" or not resolved.is_file():
+                problems.append(f"{where}: an anchor into {resolved.name}, which is not a Markdown file")
+            elif anchor not in anchors(resolved):
+                problems.append(f"{where}: no heading of {resolved.relative_to(root)} has the anchor #{anchor}")
+    return problems
+
+
+def test_every_relative_link_and_anchor_resolves():
+    problems = [p for path in doc_files() for p in broken_links(path)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_link_checker_catches_a_broken_file_an_unknown_anchor_and_slugs_like_github(tmp_path):
+    (tmp_path / "a.md").write_text("# Results on synthetic (8 classes, 4 tasks × 2 classes)\n\n## `sgca`\n\n## SGCA\n\n"
+                                   "[ok](#results-on-synthetic-8-classes-4-tasks--2-classes) [ok](#sgca-1) "
+                                   "[ok](b.md#code-and-links) [bad](#nope) [bad](missing.md) [bad](b.md#nope) "
+                                   "`[not a link](nowhere.md)`\n")
+    (tmp_path / "b.md").write_text("## Code and [links](a.md)\n```\n# not a heading\n[not a link](gone.md)\n```\n")
+    problems = broken_links(tmp_path / "a.md", tmp_path) + broken_links(tmp_path / "b.md", tmp_path)
+    assert len(problems) == 3, problems
+    assert any("#nope" in p and "a.md" in p for p in problems)
+    assert any("missing.md" in p for p in problems)
+    assert any("b.md#nope" in p for p in problems)
+
+
+# ------------------------------------------------------------------------------------------------ 2. run config
+
+def test_every_run_config_key_is_on_the_generated_page():
+    page = RUN_CONFIG_DOC.read_text()
+    missing = [o.key for o in OPTIONS if f"| `{o.key}` |" not in page]
+    assert not missing, f"docs/run-config.md lacks {missing}: run `python -m medflower.config --write`"
+    assert page == run_config_markdown(), "docs/run-config.md is stale: run `python -m medflower.config --write`"
+
+
+# ------------------------------------------------------------------------------------------------ 3. strategies
+
+def methods_table_rows() -> dict[str, str]:
+    """strategy name -> the docs/methods page its README row links to."""
+    rows = {}
+    for line in split_fenced(README.read_text())[0].split("\n"):
+        match = re.match(r"^\|\s*\[`([\w-]+)`\]\((docs/methods/[\w-]+\.md)(?:#[\w-]*)?\)\s*\|", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def names_strategy(page: Path, name: str) -> bool:
+    """The page names the strategy in a heading or in the first cell of a table row."""
+    prose, _ = split_fenced(page.read_text())
+    for line in prose.split("\n"):
+        if line.startswith("#") and f"`{name}`" in line:
+            return True
+        cells = line.split("|")
+        if line.startswith("|") and len(cells) > 2 and f"`{name}`" in cells[1]:
+            return True
+    return False
+
+
+def test_every_strategy_has_a_page_linked_from_the_readme_methods_table():
+    rows = methods_table_rows()
+    problems = []
+    for name in STRATEGIES:
+        if name not in rows:
+            problems.append(f"{name}: no row [`{name}`](docs/methods/<page>.md) in README's methods table")
+            continue
+        page = ROOT / rows[name]
+        if not page.is_file():
+            problems.append(f"{name}: README links to {rows[name]}, which does not exist")
+        elif not names_strategy(page, name):
+            problems.append(f"{name}: {rows[name]} names it in no heading or table row")
+    unknown = sorted(set(rows) - set(STRATEGIES))
+    assert not problems and not unknown, "\n".join(problems + [f"README's methods table lists unknown {unknown}"])
+
+
+# ------------------------------------------------------------------------------------------------- 4. commands
+
+def logical_lines(block: str) -> list[str]:
+    """Shell lines with backslash continuations joined."""
+    out, current = [], ""
+    for line in block.split("\n"):
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+        else:
+            out.append(current + line)
+            current = ""
+    if current:
+        out.append(current)
+    return out
+
+
+def flwr_run_commands() -> list[tuple[str, str]]:
+    """(where, command line) of every `flwr run` in a fenced code block."""
+    found = []
+    for path in doc_files():
+        for block in split_fenced(path.read_text())[1]:
+            for line in logical_lines(block):
+                if "flwr run" in line:
+                    found.append((str(path.relative_to(ROOT)), line[line.index("flwr run"):]))
+    return found
+
+
+def run_config_of(command: str) -> dict | None:
+    """The run-config overrides of one `flwr run` command line (None: it has no --run-config)."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    tokens = []
+    for token in lexer:
+        if token in (";", "&", "&&", "|", "||"):
+            break
+        tokens.append(token)
+    for i, token in enumerate(tokens):
+        if token.startswith("--run-config"):
+            value = token.split("=", 1)[1] if "=" in token and token.startswith("--run-config=") else tokens[i + 1]
+            if value.endswith(".toml") and "=" not in value:
+                toml = ROOT / value
+                assert toml.is_file(), f"--run-config file {value} does not exist"
+                return parse_config_args([str(toml)])
+            parsed = parse_config_args([value])
+            pairs = re.findall(r"(\S+?)=", value)
+            assert len(parsed) == len(set(pairs)), f"some of {value!r} are not key=TOML-value pairs"
+            return parsed
+    return None
+
+
+def check_run_config(config: dict) -> None:
+    ExperimentConfig.from_run_config({**defaults(), **config}, check_paths=False)
+
+
+def test_the_flwr_run_commands_found_include_continued_lines():
+    commands = flwr_run_commands()
+    assert len(commands) >= 15
+    fedbkd = [c for where, c in commands if "fedbkd.md" in where and "strategy='fedbkd'" in c]
+    assert fedbkd and "fedbkd-capacities=" in fedbkd[0], "a command continued with \\ was not joined"
+
+
+def test_every_documented_flwr_run_names_only_keys_and_strategies_that_exist():
+    problems = []
+    for where, command in flwr_run_commands():
+        try:
+            config = run_config_of(command)
+            if config is not None:
+                check_run_config(config)
+        except Exception as err:  # ConfigError, a TOML format error (click), a missing --run-config file
+            problems.append(f"{where}: {command}\n    {type(err).__name__}: {err}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("command, why", [
+    ("flwr run . --run-config \"strategy='sgca' sgca-alpah=0.8\"", "unknown"),
+    ("flwr run . --run-config \"strategy='fedsomething'\"", "strategy"),
+    ("flwr run . --run-config \"strategy='sgca' dataset='synthetic-seg'\"", "partition"),
+    ("flwr run . --run-config \"strategy='sift'\"", "class embeddings"),
+    ("flwr run . --run-config \"lat-layers=all\"", "format"),
+])
+def test_the_command_check_refuses_bad_keys_values_and_combinations(command, why):
+    with pytest.raises(Exception, match=why):
+        check_run_config(run_config_of(command))
+
+
+def python_commands() -> list[tuple[str, str]]:
+    """(where, text) of every `python ...` command, in code blocks and inline code."""
+    found = []
+    for path in doc_files():
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        for block in split_fenced(text)[1]:
+            found += [(where, line) for line in logical_lines(block) if re.search(r"\bpython3?\s", line)]
+        found += [(where, span) for span in inline_code_spans(text) if re.search(r"\bpython3?\s", span)]
+    return found
+
+
+def check_experiment_file(path: Path) -> None:
+    """The structure load_plan checks, without needing the data files the runs read."""
+    plan = yaml.safe_load(path.read_text()) or {}
+    assert isinstance(plan, dict) and isinstance(plan.get("runs"), list) and plan["runs"], f"{path}: no 'runs' list"
+    names = [run.get("name") for run in plan["runs"]]
+    assert all(names) and len(set(names)) == len(names), f"{path}: run names missing or repeated: {names}"
+    if plan.get("reference") is not None:
+        assert plan["reference"] in names, f"{path}: reference {plan['reference']!r} is not a run"
+    for run in plan["runs"]:
+        for seed in plan.get("seeds", [0]):
+            config = {**plan.get("base", {}), **{k: v for k, v in run.items() if k != "name"}, "seed": seed}
+            weights = config.get("backbone-weights")
+            if isinstance(weights, str) and weights not in ("none", "auto"):
+                config["backbone-weights"] = "none"  # a file made by a documented step (e.g. medflower.pretrain)
+            try:
+                check_run_config(config)
+            except ConfigError as err:
+                raise AssertionError(f"{path}: run {run['name']!r}: {err}") from err
+
+
+def test_every_documented_python_command_names_a_module_or_script_that_exists():
+    problems, modules, files = [], set(), set()
+    for where, text in python_commands():
+        for module in re.findall(r"python3?\s+-m\s+(medflower(?:\.\w+)*)", text):
+            modules.add(module)
+            if importlib.util.find_spec(module) is None:
+                problems.append(f"{where}: module {module} does not exist ({text})")
+        for yaml_file in re.findall(r"python3?\s+-m\s+medflower\.experiments\s+(\S+\.ya?ml)", text):
+            try:
+                assert (ROOT / yaml_file).is_file(), f"{yaml_file} does not exist"
+                check_experiment_file(ROOT / yaml_file)
+            except AssertionError as err:
+                problems.append(f"{where}: {err} ({text})")
+        for script in re.findall(r"python3?\s+([\w./-]+\.py)\b", text):
+            files.add(script)
+            if not (ROOT / script).is_file():
+                problems.append(f"{where}: {script} does not exist ({text})")
+    assert not problems, "\n".join(problems)
+    assert {"medflower.experiments", "medflower.config", "medflower.pretrain"} <= modules
+    assert "benchmarks/sgca_aggregation.py" in files
+
+
+def test_every_experiment_file_is_valid():
+    problems = []
+    for path in sorted((ROOT / "experiments").glob("*.yaml")):
+        try:
+            check_experiment_file(path)
+        except AssertionError as err:
+            problems.append(str(err))
+    assert not problems, "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- no pointers outside the repository
+
+def test_docs_do_not_point_outside_the_repository():
+    problems = [f"{path.relative_to(ROOT)}: mentions {word}" for path in doc_files()
+                for word in ("DESIGN.md", "../shared") if word in path.read_text()]
+    assert not problems, "\n".join(problems)
