@@ -456,8 +456,9 @@ class ExperimentConfig:
         for dataset in self.split_datasets:
             kind = dataset.partition(":")[0]
             if self.partition not in (valid := supported_partitions(kind)):
-                what = "a segmentation source" if _holds_masks(dataset) else "a source without sites"
-                raise _bad("partition", self.partition, f"dataset {dataset!r} is {what}; valid choices are "
+                why = ("is a segmentation source (no class label to skew by)" if _holds_masks(dataset)
+                       else "has no site per row, which partition 'natural' needs a site for")
+                raise _bad("partition", self.partition, f"dataset {dataset!r} {why}; valid choices are "
                            + ", ".join(valid))
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")

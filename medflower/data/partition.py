@@ -48,8 +48,9 @@ def check_partition_supported(spec: DataSpec) -> None:
     ServerApp's check before round 1 share (a csv manifest is read to see whether it has a site column)."""
     valid = supported_partitions(spec.source_kind)
     if spec.partition not in valid:
-        what = "a segmentation source" if source_task(spec) == "segmentation" else "a source without sites"
-        raise DataError(f"dataset {spec.dataset!r} is {what}: it supports the partitions {', '.join(valid)}, "
+        why = ("is a segmentation source (no class label to skew by)" if source_task(spec) == "segmentation"
+               else "has no site per row, which partition 'natural' needs a site for")
+        raise DataError(f"dataset {spec.dataset!r} {why}: it supports the partitions {', '.join(valid)}, "
                         f"not {spec.partition!r}")
     if spec.partition == "natural" and open_source_by_key(source_key(spec)).sites(1) is None:
         raise DataError(f"dataset {spec.dataset!r}: partition 'natural' needs a site per row (a csv manifest "
