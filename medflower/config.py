@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .data import PARTITIONS, SOURCE_KINDS, DataSpec, describe_source
-from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS, supported_partitions
+from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS, unsupported_partition
 from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
@@ -454,12 +454,8 @@ class ExperimentConfig:
         if len(tasks) > 1 and self.task != "auto":
             raise _bad("task", self.task, "site-datasets mixes tasks: leave task='auto' (each site's data decides)")
         for dataset in self.split_datasets:
-            kind = dataset.partition(":")[0]
-            if self.partition not in (valid := supported_partitions(kind)):
-                why = ("is a segmentation source (no class label to skew by)" if _holds_masks(dataset)
-                       else "has no site per row, which partition 'natural' needs a site for")
-                raise _bad("partition", self.partition, f"dataset {dataset!r} {why}; valid choices are "
-                           + ", ".join(valid))
+            if why := unsupported_partition(dataset, self.partition):
+                raise _bad("partition", self.partition, why)
         if self.dataset == "site" and self.num_classes == 0:
             raise _bad("num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0")
         if check_paths:

@@ -279,7 +279,7 @@ def test_medmnist_length_mismatch(tmp_path):
 def test_natural_partition_needs_sites(tmp_path):
     write_npz(tmp_path / "foomnist.npz")
     spec = DataSpec(dataset="medmnist:foomnist", data_dir=str(tmp_path), partition="natural")
-    with pytest.raises(DataError, match="'natural' needs a site for: it supports the partitions iid, dirichlet"):
+    with pytest.raises(DataError, match="has no site per row, which partition 'natural' needs; valid choices are iid, dirichlet"):
         load_client_data(spec, 0, 2)
 
 

@@ -332,7 +332,20 @@ def test_every_experiment_file_is_valid():
 
 # ----------------------------------------------------------------------------- no pointers outside the repository
 
+def outside_pointers(path: Path, text: str) -> list[str]:
+    """Names a user who cloned the repository alone cannot follow: a ``*.md`` file that exists nowhere in the
+    repository, or a ``../`` path that leaves it."""
+    markdown_names = {p.name for p in ROOT.rglob("*.md") if ".git" not in p.parts}
+    problems = [f"{path.relative_to(ROOT)}: names {name}, which is not in the repository"
+                for name in sorted(set(re.findall(r"[\w-]+\.md\b", text)) - markdown_names)]
+    problems += [f"{path.relative_to(ROOT)}: {rel} leaves the repository"
+                 for rel in sorted(set(re.findall(r"(?:\.\./)+[\w./-]*", text)))
+                 if not (path.parent / rel).resolve().is_relative_to(ROOT)]
+    return problems
+
+
 def test_docs_do_not_point_outside_the_repository():
-    problems = [f"{path.relative_to(ROOT)}: mentions {word}" for path in doc_files()
-                for word in ("DESIGN.md", "../shared") if word in path.read_text()]
+    problems = [p for path in doc_files() for p in outside_pointers(path, path.read_text())]
     assert not problems, "\n".join(problems)
+    bad = outside_pointers(ROOT / "docs" / "data.md", "see NOTES.md and `data-dir: ../../elsewhere/data`")
+    assert len(bad) == 2 and "NOTES.md" in bad[0] and "leaves the repository" in bad[1]

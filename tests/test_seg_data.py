@@ -112,7 +112,7 @@ def test_seg_loader_shapes_and_nearest_resize():
 
 def test_segmentation_partitions():
     for partition in ("dirichlet", "pathological"):
-        with pytest.raises(DataError, match="segmentation source .*: it supports the partitions natural, iid, not"):
+        with pytest.raises(DataError, match="segmentation source .*; valid choices are natural, iid"):
             load_client_data(DataSpec(dataset="synthetic-seg", partition=partition), 0, 2)
     natural = DataSpec(dataset="synthetic-seg", synthetic_size=240, partition="natural")
     for pid, rows in enumerate(partition_rows(natural, 3).rows):

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from sklearn.model_selection import train_test_split
 
-from .sources import SPLITS, Source, open_source_by_key, source_key, source_task
-from .spec import DataError, DataSpec, list_rows, supported_partitions
+from .sources import SPLITS, Source, open_source_by_key, source_key
+from .spec import DataError, DataSpec, list_rows, unsupported_partition
 
 if TYPE_CHECKING:
     import datasets
@@ -46,12 +46,8 @@ def partition_rows(spec: DataSpec, num_partitions: int) -> Partitioning:
 def check_partition_supported(spec: DataSpec) -> None:
     """Refuse a partition the source cannot make, before any split: the one check the sites and the
     ServerApp's check before round 1 share (a csv manifest is read to see whether it has a site column)."""
-    valid = supported_partitions(spec.source_kind)
-    if spec.partition not in valid:
-        why = ("is a segmentation source (no class label to skew by)" if source_task(spec) == "segmentation"
-               else "has no site per row, which partition 'natural' needs a site for")
-        raise DataError(f"dataset {spec.dataset!r} {why}: it supports the partitions {', '.join(valid)}, "
-                        f"not {spec.partition!r}")
+    if why := unsupported_partition(spec.dataset, spec.partition):
+        raise DataError(f"partition {spec.partition!r}: {why}")
     if spec.partition == "natural" and open_source_by_key(source_key(spec)).sites(1) is None:
         raise DataError(f"dataset {spec.dataset!r}: partition 'natural' needs a site per row (a csv manifest "
                         f"with a site column, a segfolder, or a synthetic source); this source has none")

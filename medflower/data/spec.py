@@ -20,6 +20,18 @@ def supported_partitions(kind: str) -> tuple[str, ...]:
                  and not (kind in SITELESS_KINDS and p == "natural"))
 
 
+def unsupported_partition(dataset: str, partition: str) -> str | None:
+    """Why ``dataset``'s source kind cannot make ``partition`` (one sentence naming the valid ones), or None.
+    The config check and the sites' partitioning both raise with it."""
+    kind = dataset.partition(":")[0]
+    valid = supported_partitions(kind)
+    if partition in valid:
+        return None
+    why = ("is a segmentation source (no class label to skew by)" if kind in SEGMENTATION_KINDS
+           else "has no site per row, which partition 'natural' needs")
+    return f"dataset {dataset!r} {why}; valid choices are {', '.join(valid)}"
+
+
 class DataError(ValueError):
     """Data that is missing or malformed; the message names the file and the problem."""
 
