@@ -65,11 +65,20 @@ def measure_one(backbone: str, img_size: int, capacity: float, batch: int, steps
         if step:  # the first step allocates the optimizer state
             times.append(time.perf_counter() - started)
     step_s = float(np.mean(times))
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"capacity": capacity, "encoder_params": params, "ffn_params": ffn_params,
-            "uplink_mb": (4 * params + 8 * sum(len(v) for v in kept.values())) / 1e6,
-            "peak_memory_mb": peak, "step_s": step_s, "epoch_s_per_1000": step_s * 1000 / batch}
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "capacity": capacity,
+        "encoder_params": params,
+        "ffn_params": ffn_params,
+        "uplink_mb": (4 * params + 8 * sum(len(v) for v in kept.values())) / 1e6,
+        "peak_memory_mb": peak,
+        "step_s": step_s,
+        "epoch_s_per_1000": step_s * 1000 / batch,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,24 +95,56 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for capacity in CAPACITIES:  # a fresh process each, so peak memory is this capacity's alone
-        out = subprocess.run([sys.executable, __file__, "--one", str(capacity), "--backbone", args.backbone,
-                              "--img-size", str(args.img_size), "--batch", str(args.batch), "--steps",
-                              str(args.steps), "--device", args.device], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                str(capacity),
+                "--backbone",
+                args.backbone,
+                "--img-size",
+                str(args.img_size),
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--device",
+                args.device,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     other = {r["encoder_params"] - r["ffn_params"] for r in rows}
     print(f"\nnon-FFN encoder parameters (the same at every β): {', '.join(f'{o:,}' for o in sorted(other))}")
     memory = "peak GPU memory MB" if args.device == "cuda" else "peak RSS MB"
-    print(f"\n| β | encoder parameters | uplink MB | {memory} | s per step ({args.batch} images) | s per 1,000 images |")
+    print(
+        f"\n| β | encoder parameters | uplink MB | {memory} | s per step ({args.batch} images) | s per 1,000 images |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['capacity']:g} | {r['encoder_params']:,} | {r['uplink_mb']:.1f} | {r['peak_memory_mb']:.0f} | "
-              f"{r['step_s']:.2f} | {r['epoch_s_per_1000']:.0f} |")
+        print(
+            f"| {r['capacity']:g} | {r['encoder_params']:,} | {r['uplink_mb']:.1f} | {r['peak_memory_mb']:.0f} | "
+            f"{r['step_s']:.2f} | {r['epoch_s_per_1000']:.0f} |"
+        )
     results = Path(__file__).resolve().parent / "results"
     results.mkdir(exist_ok=True)
-    (results / "fedbkd_capacity.json").write_text(json.dumps(
-        {"backbone": args.backbone, "img_size": args.img_size, "batch": args.batch, "device": args.device,
-         "torch_threads": __import__("torch").get_num_threads(), "rows": rows}, indent=1))
+    (results / "fedbkd_capacity.json").write_text(
+        json.dumps(
+            {
+                "backbone": args.backbone,
+                "img_size": args.img_size,
+                "batch": args.batch,
+                "device": args.device,
+                "torch_threads": __import__("torch").get_num_threads(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

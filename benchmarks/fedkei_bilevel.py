@@ -55,8 +55,15 @@ def child(args: dict) -> dict:
 
     torch.set_num_threads(args["threads"])
     device = torch.device(args["device"])
-    cfg = ExperimentConfig.from_run_config({**defaults(), "backbone": args["backbone"], "img-size": args["img_size"],
-                                            "patch-size": args["patch_size"], "backbone-weights": "none"})
+    cfg = ExperimentConfig.from_run_config(
+        {
+            **defaults(),
+            "backbone": args["backbone"],
+            "img-size": args["img_size"],
+            "patch-size": args["patch_size"],
+            "backbone-weights": "none",
+        }
+    )
     model = build_model(cfg.model_spec(), 2).to(device).train()
     parts = fk.split_parts(model.trainable_spec())
     loss_fn = fk.module_loss(model, parts, model.parameter_paths())
@@ -64,7 +71,7 @@ def child(args: dict) -> dict:
     n, b, s = args["samples"], args["batch_size"], args["img_size"]
     x = torch.randn(n, 3, s, s, generator=gen)
     y = torch.randint(0, 2, (n,), generator=gen)
-    batches = [(x[i:i + b].to(device), y[i:i + b].to(device)) for i in range(0, n, b)]
+    batches = [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
     widths = [fk.part_width(spec) for spec in parts.values()]
     clusters = [0.02 * torch.randn(args["k"], w, generator=gen).to(device) for w in widths]
     mode = args["mode"]
@@ -92,13 +99,23 @@ def child(args: dict) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status_kb("VmHWM") * 1024
-    return {**args, "seconds": seconds, "peak_extra_bytes": max(peak - before, 0), "steps": len(batches),
-            "module_parameters": sum(widths)}
+    return {
+        **args,
+        "seconds": seconds,
+        "peak_extra_bytes": max(peak - before, 0),
+        "steps": len(batches),
+        "module_parameters": sum(widths),
+    }
 
 
 def _run_child(spec: dict, env: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         check=True, env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -114,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the untimed call each child makes before the measured one")
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the untimed call each child makes before the measured one",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fedkei_bilevel.json")
     args = parser.parse_args(argv)
     if args.child:
@@ -126,9 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     for samples in args.samples:
         epoch_s = None
         for mode in args.modes:
-            spec = {"backbone": args.backbone, "img_size": args.img_size, "patch_size": args.patch_size,
-                    "samples": samples, "batch_size": args.batch_size, "k": args.k, "mode": mode,
-                    "device": args.device, "threads": args.threads, "warmup": args.warmup}
+            spec = {
+                "backbone": args.backbone,
+                "img_size": args.img_size,
+                "patch_size": args.patch_size,
+                "samples": samples,
+                "batch_size": args.batch_size,
+                "k": args.k,
+                "mode": mode,
+                "device": args.device,
+                "threads": args.threads,
+                "warmup": args.warmup,
+            }
             result = _run_child(spec, {})
             # Memory in a second child whose large blocks come straight from mmap: freed tensors leave
             # the resident set, so its high-water mark follows the call's live memory instead of glibc's
@@ -139,11 +169,21 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "finetune":
                 epoch_s = result["seconds"]
             ratio = f"{result['seconds'] / epoch_s:8.2f}" if epoch_s else f"{'':>8}"
-            print(f"{samples:>7} {result['steps']:>5} {mode:>11} {result['seconds']:8.2f} {ratio} "
-                  f"{result['peak_extra_bytes'] / 2**20:8.1f}", flush=True)
+            print(
+                f"{samples:>7} {result['steps']:>5} {mode:>11} {result['seconds']:8.2f} {ratio} "
+                f"{result['peak_extra_bytes'] / 2**20:8.1f}",
+                flush=True,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                                "torch": torch.__version__}, "results": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"written: {args.out}")
     return 0
 

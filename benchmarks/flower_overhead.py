@@ -89,8 +89,9 @@ TARGET_MIN_ROUND_S = 10.0
 
 # ----------------------------------------------------------------------------- configuration
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--rounds", type=int, default=5, help="federated rounds (steady state = rounds >= 2)")
     p.add_argument("--clients", type=int, default=4, help="simulated SuperNodes / plain-loop clients")
     p.add_argument("--synthetic-size", type=int, default=6000, help="samples in the synthetic pool")
@@ -103,17 +104,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition", default="iid", help="partitioning of the pool")
     p.add_argument("--seed", type=int, default=0, help="run seed")
     p.add_argument("--device", default="cpu", help="training device (both runs)")
-    p.add_argument("--order", choices=("sandwich", "plain-first", "flower-first"), default="sandwich",
-                   help="sandwich: plain, Flower, plain again; the plain reference of a round is the mean of both "
-                        "plain runs, so a machine that slowly speeds up or slows down does not bias the comparison")
+    p.add_argument(
+        "--order",
+        choices=("sandwich", "plain-first", "flower-first"),
+        default="sandwich",
+        help="sandwich: plain, Flower, plain again; the plain reference of a round is the mean of both "
+        "plain runs, so a machine that slowly speeds up or slows down does not bias the comparison",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file with all figures")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the Flower run folder and logs here (default: a temporary folder, removed)")
-    p.add_argument("--wait-idle", type=float, default=300.0,
-                   help="before each run, wait up to this many seconds until other processes use < 0.15 cores")
-    p.add_argument("--trace-clientapp", action="store_true",
-                   help="diagnosis: run a copy of the app whose ClientApp times each message's handler, and split "
-                        "Flower's rounds into time inside ClientApp handlers (per phase) and outside them")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the Flower run folder and logs here (default: a temporary folder, removed)",
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=300.0,
+        help="before each run, wait up to this many seconds until other processes use < 0.15 cores",
+    )
+    p.add_argument(
+        "--trace-clientapp",
+        action="store_true",
+        help="diagnosis: run a copy of the app whose ClientApp times each message's handler, and split "
+        "Flower's rounds into time inside ClientApp handlers (per phase) and outside them",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before `flwr run` is given up")
     return p.parse_args(argv)
 
@@ -182,7 +198,7 @@ class CpuSampler(threading.Thread):
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     stat = f.read()
-                fields = stat[stat.rindex(")") + 2:].split()
+                fields = stat[stat.rindex(")") + 2 :].split()
                 procs[pid] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self._tick)
                 # re-read every time: Ray workers retitle themselves (ray::ClientAppActor) once assigned
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -235,7 +251,7 @@ class CpuSampler(threading.Thread):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
-            info["nice"] = int(stat[stat.rindex(")") + 2:].split()[16])
+            info["nice"] = int(stat[stat.rindex(")") + 2 :].split()[16])
         except (OSError, ValueError, IndexError) as err:
             info["error"] = str(err)
         return info
@@ -271,10 +287,14 @@ class CpuSampler(threading.Thread):
             target[key] = target.get(key, 0.0) + max(value - before, 0.0)
         window = t1 - t0
         order = sorted(per.items(), key=lambda kv: -kv[1])
-        return {"window_s": round(window, 2),
-                "cpu_s": {k: round(v, 2) for k, v in order if v > 0.005},
-                "cores": {k: round(v / window, 3) for k, v in order if v > 0.005},
-                "context_switches_per_s": {k: round(v / window, 1) for k, v in sorted(wakeups.items(), key=lambda kv: -kv[1])}}
+        return {
+            "window_s": round(window, 2),
+            "cpu_s": {k: round(v, 2) for k, v in order if v > 0.005},
+            "cores": {k: round(v / window, 3) for k, v in order if v > 0.005},
+            "context_switches_per_s": {
+                k: round(v / window, 1) for k, v in sorted(wakeups.items(), key=lambda kv: -kv[1])
+            },
+        }
 
 
 # ----------------------------------------------------------------------------- plain loop
@@ -299,8 +319,8 @@ def run_plain(config: dict[str, Any], num_clients: int) -> dict[str, Any]:
     optimizer = OptimizerSpec(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay)
     setup_s = time.monotonic() - t0
 
-    data: dict[int, Any] = {}   # the ClientApp's _cached_data
-    model = None                # the ClientApp's _cached_model (one object shared by the sites of a process)
+    data: dict[int, Any] = {}  # the ClientApp's _cached_data
+    model = None  # the ClientApp's _cached_model (one object shared by the sites of a process)
     rounds = []
     last_eval: dict[int, dict[str, float]] = {}
     for rnd in range(1, cfg.num_rounds + 1):
@@ -332,29 +352,48 @@ def run_plain(config: dict[str, Any], num_clients: int) -> dict[str, Any]:
                 dataset = getattr(data[pid], split)
                 if len(dataset) == 0:
                     continue
-                m = evaluate(model, make_loader(dataset, cfg.batch_size, False, derive_seed(cfg.seed, rnd, pid, 1)),
-                             device)
+                m = evaluate(
+                    model, make_loader(dataset, cfg.batch_size, False, derive_seed(cfg.seed, rnd, pid, 1)), device
+                )
                 metrics.update({(k if split == "test" else f"{split}_{k}"): v for k, v in m.items()})
             last_eval[pid] = metrics
         end = time.monotonic()
-        rounds.append({"round": rnd, "round_s": round(end - start, 3),
-                       "identify_s": round(t_identify - start, 3), "train_s": round(t_train - t_identify, 3),
-                       "aggregate_s": round(t_aggregate - t_train, 4), "evaluate_s": round(end - t_aggregate, 3),
-                       "train_cpu_s": round(c_train - c_identify, 3),
-                       "evaluate_cpu_s": round(time.process_time() - c_aggregate, 3),
-                       "wall_start": wall_round_start, "wall_end": time.time()})
-        print(f"  plain round {rnd}: {end - start:.2f}s (train {t_train - t_identify:.2f}s, "
-              f"evaluate {end - t_aggregate:.2f}s)", flush=True)
+        rounds.append(
+            {
+                "round": rnd,
+                "round_s": round(end - start, 3),
+                "identify_s": round(t_identify - start, 3),
+                "train_s": round(t_train - t_identify, 3),
+                "aggregate_s": round(t_aggregate - t_train, 4),
+                "evaluate_s": round(end - t_aggregate, 3),
+                "train_cpu_s": round(c_train - c_identify, 3),
+                "evaluate_cpu_s": round(time.process_time() - c_aggregate, 3),
+                "wall_start": wall_round_start,
+                "wall_end": time.time(),
+            }
+        )
+        print(
+            f"  plain round {rnd}: {end - start:.2f}s (train {t_train - t_identify:.2f}s, "
+            f"evaluate {end - t_aggregate:.2f}s)",
+            flush=True,
+        )
     final = {m: float(np.mean([last_eval[p][m] for p in last_eval])) for m in ("auc", "accuracy", "loss")}
-    return {"setup_s": round(setup_s, 3), "rounds": rounds, "total_s": round(time.monotonic() - t0, 3),
-            "wall_start": wall_start, "final": final, "torch_threads": torch.get_num_threads(),
-            "torch_interop_threads": torch.get_num_interop_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "train_sizes": {pid: len(d.train) for pid, d in data.items()}}
+    return {
+        "setup_s": round(setup_s, 3),
+        "rounds": rounds,
+        "total_s": round(time.monotonic() - t0, 3),
+        "wall_start": wall_start,
+        "final": final,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "train_sizes": {pid: len(d.train) for pid, d in data.items()},
+    }
 
 
 # ----------------------------------------------------------------------------- Flower run
-TRACED_CLIENT = '''"""medflower's ClientApp, each message's handler timed (benchmarks/flower_overhead.py --trace-clientapp)."""
+TRACED_CLIENT = '''"""medflower's ClientApp, each message's handler timed
+(benchmarks/flower_overhead.py --trace-clientapp)."""
 import json, os, time
 
 from flwr.clientapp import ClientApp
@@ -388,10 +427,12 @@ def traced_app(directory: Path) -> tuple[Path, Path]:
     log = directory / "clientapp-trace.jsonl"
     pyproject = (REPO / "pyproject.toml").read_text()
     pyproject = pyproject.replace('clientapp = "medflower.client_app:app"', 'clientapp = "traced_client:app"')
-    pyproject = pyproject.replace('name = "medflower"', 'name = "medflowertraced"').replace('readme = "README.md"\n', "")
+    pyproject = pyproject.replace('name = "medflower"', 'name = "medflowertraced"').replace(
+        'readme = "README.md"\n', ""
+    )
     pyproject = pyproject.replace('[tool.hatch.build.targets.wheel]\npackages = ["medflower"]\n', "")
     if 'clientapp = "traced_client:app"' not in pyproject:
-        raise RuntimeError("pyproject.toml has no clientapp = \"medflower.client_app:app\" to replace")
+        raise RuntimeError('pyproject.toml has no clientapp = "medflower.client_app:app" to replace')
     (directory / "pyproject.toml").write_text(pyproject)
     (directory / "traced_client.py").write_text(TRACED_CLIENT.format(log=str(log)))
     return directory, log
@@ -415,8 +456,9 @@ def clientapp_phases(log: Path, rounds: list[dict[str, Any]]) -> None:
         rounds[0]["clientapp_nice"] = sorted({m["nice"] for m in messages})
 
 
-def run_flower(config: dict[str, Any], num_clients: int, workdir: Path, timeout: float,
-               trace: bool = False) -> dict[str, Any]:
+def run_flower(
+    config: dict[str, Any], num_clients: int, workdir: Path, timeout: float, trace: bool = False
+) -> dict[str, Any]:
     """The app through `flower-superlink --simulation` + `flwr run --stream`; times from metrics.jsonl."""
     from medflower.loopback import APP_DIR, LoopbackFederation
     from medflower.results import read_records
@@ -436,13 +478,24 @@ def run_flower(config: dict[str, Any], num_clients: int, workdir: Path, timeout:
         logs = fed.logs(tail=400)
     total_s = time.monotonic() - t0
     run_dir = Path(config["output-dir"]) / config["run-name"]
-    server = sorted((r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "server"),
-                    key=lambda r: r["round"])
+    server = sorted(
+        (r for r in read_records(run_dir / "metrics.jsonl") if r.get("kind") == "server"), key=lambda r: r["round"]
+    )
     if len(server) != config["num-rounds"]:
-        raise RuntimeError(f"expected {config['num-rounds']} server records in {run_dir}, found {len(server)}:\n"
-                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n{logs}")
-    rounds = [{"round": r["round"], "round_s": float(r["round_s"]), "aggregation_s": r.get("aggregation_s"),
-               "wall_start": float(r["time"]) - float(r["round_s"]), "wall_end": float(r["time"])} for r in server]
+        raise RuntimeError(
+            f"expected {config['num-rounds']} server records in {run_dir}, found {len(server)}:\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n{logs}"
+        )
+    rounds = [
+        {
+            "round": r["round"],
+            "round_s": float(r["round_s"]),
+            "aggregation_s": r.get("aggregation_s"),
+            "wall_start": float(r["time"]) - float(r["round_s"]),
+            "wall_end": float(r["time"]),
+        }
+        for r in server
+    ]
     if trace_log is not None:
         clientapp_phases(trace_log, rounds)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -453,11 +506,18 @@ def run_flower(config: dict[str, Any], num_clients: int, workdir: Path, timeout:
             clientapp_runtime = float(row[0]) if row and row[0] is not None else None
     except sqlite3.Error:
         pass
-    return {"rounds": rounds, "wall_start": wall_start, "superlink_up_s": round(superlink_up_s, 3),
-            "run_app_s": round(run_app_s, 3), "wall_run_end": wall_run_end, "total_s": round(total_s, 3),
-            "final": {m: summary["final"].get(m) for m in ("auc", "accuracy", "loss")},
-            "summary_wall_time_s": summary.get("wall_time_s"), "clientapp_runtime_s": clientapp_runtime,
-            "stdout_tail": proc.stdout[-3000:]}
+    return {
+        "rounds": rounds,
+        "wall_start": wall_start,
+        "superlink_up_s": round(superlink_up_s, 3),
+        "run_app_s": round(run_app_s, 3),
+        "wall_run_end": wall_run_end,
+        "total_s": round(total_s, 3),
+        "final": {m: summary["final"].get(m) for m in ("auc", "accuracy", "loss")},
+        "summary_wall_time_s": summary.get("wall_time_s"),
+        "clientapp_runtime_s": clientapp_runtime,
+        "stdout_tail": proc.stdout[-3000:],
+    }
 
 
 # ----------------------------------------------------------------------------- figures
@@ -467,11 +527,20 @@ def plain_reference(plains: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for rs in zip(*(p["rounds"] for p in plains)):
         if rs[0]["round"] == 1:  # only the first plain run is cold (later ones reuse this process's data caches)
             rs = rs[:1]
-        mean = {k: round(statistics.mean(r[k] for r in rs), 3)
-                for k in ("round_s", "train_s", "evaluate_s", "identify_s", "train_cpu_s", "evaluate_cpu_s")}
-        rounds.append({"round": rs[0]["round"], **mean, "runs_s": [r["round_s"] for r in rs],
-                       "spread_pct": round(100 * (max(r["round_s"] for r in rs) - min(r["round_s"] for r in rs))
-                                           / mean["round_s"], 2)})
+        mean = {
+            k: round(statistics.mean(r[k] for r in rs), 3)
+            for k in ("round_s", "train_s", "evaluate_s", "identify_s", "train_cpu_s", "evaluate_cpu_s")
+        }
+        rounds.append(
+            {
+                "round": rs[0]["round"],
+                **mean,
+                "runs_s": [r["round_s"] for r in rs],
+                "spread_pct": round(
+                    100 * (max(r["round_s"] for r in rs) - min(r["round_s"] for r in rs)) / mean["round_s"], 2
+                ),
+            }
+        )
     return rounds
 
 
@@ -479,22 +548,42 @@ def figures(plains: list[dict[str, Any]], flower: dict[str, Any]) -> dict[str, A
     pr, fr = plain_reference(plains), flower["rounds"]
     per_round = []
     for p, f in zip(pr, fr):
-        per_round.append({"round": p["round"], "flower_s": f["round_s"], "plain_s": p["round_s"],
-                          "plain_runs_s": p["runs_s"], "plain_spread_pct": p["spread_pct"],
-                          "ratio": round(f["round_s"] / p["round_s"], 4),
-                          "overhead_pct": round(100 * (f["round_s"] - p["round_s"]) / p["round_s"], 2),
-                          "plain_train_s": p["train_s"], "plain_evaluate_s": p["evaluate_s"],
-                          "plain_identify_s": p["identify_s"], "plain_train_cpu_s": p["train_cpu_s"],
-                          **{f"flower_{k}": f[k] for k in ("train_clientapp_s", "evaluate_clientapp_s",
-                                                           "query_clientapp_s", "in_clientapp_s",
-                                                           "outside_clientapp_s", "train_clientapp_cpu_s") if k in f}})
+        per_round.append(
+            {
+                "round": p["round"],
+                "flower_s": f["round_s"],
+                "plain_s": p["round_s"],
+                "plain_runs_s": p["runs_s"],
+                "plain_spread_pct": p["spread_pct"],
+                "ratio": round(f["round_s"] / p["round_s"], 4),
+                "overhead_pct": round(100 * (f["round_s"] - p["round_s"]) / p["round_s"], 2),
+                "plain_train_s": p["train_s"],
+                "plain_evaluate_s": p["evaluate_s"],
+                "plain_identify_s": p["identify_s"],
+                "plain_train_cpu_s": p["train_cpu_s"],
+                **{
+                    f"flower_{k}": f[k]
+                    for k in (
+                        "train_clientapp_s",
+                        "evaluate_clientapp_s",
+                        "query_clientapp_s",
+                        "in_clientapp_s",
+                        "outside_clientapp_s",
+                        "train_clientapp_cpu_s",
+                    )
+                    if k in f
+                },
+            }
+        )
     steady = [r for r in per_round if r["round"] >= 2]
 
     def mean(values: list[float]) -> float | None:
         return round(statistics.mean(values), 2) if values else None
 
-    per_plain_run = [mean([100 * (f["round_s"] - p["round_s"]) / p["round_s"]
-                           for p, f in zip(run["rounds"], fr) if p["round"] >= 2]) for run in plains]
+    per_plain_run = [
+        mean([100 * (f["round_s"] - p["round_s"]) / p["round_s"] for p, f in zip(run["rounds"], fr) if p["round"] >= 2])
+        for run in plains
+    ]
     pre_round1 = fr[0]["wall_start"] - flower["wall_start"]
     plain_to_end_r1 = plains[0]["rounds"][0]["wall_end"] - plains[0]["wall_start"]  # the cold plain run
     plain_setup = plains[0]["setup_s"]
@@ -505,9 +594,14 @@ def figures(plains: list[dict[str, Any]], flower: dict[str, Any]) -> dict[str, A
         "per_round": per_round,
         "steady_state_overhead_pct": mean([r["overhead_pct"] for r in steady]),
         "steady_state_overhead_pct_median": round(statistics.median(r["overhead_pct"] for r in steady), 2)
-        if steady else None,
-        "steady_state_overhead_pct_range": [min(r["overhead_pct"] for r in steady),
-                                            max(r["overhead_pct"] for r in steady)] if steady else None,
+        if steady
+        else None,
+        "steady_state_overhead_pct_range": [
+            min(r["overhead_pct"] for r in steady),
+            max(r["overhead_pct"] for r in steady),
+        ]
+        if steady
+        else None,
         "steady_state_overhead_pct_vs_each_plain_run": per_plain_run,
         "steady_state_plain_round_s": mean([r["plain_s"] for r in steady]),
         "steady_state_plain_spread_pct": mean([r["plain_spread_pct"] for r in steady]) if len(plains) > 1 else None,
@@ -533,11 +627,15 @@ def figures(plains: list[dict[str, Any]], flower: dict[str, Any]) -> dict[str, A
         "flower_clientapp": {
             "definition": "Flower's ClientApp runtime total (simulation engine, all rounds) vs the rounds' wall time",
             "clientapp_runtime_s": flower["clientapp_runtime_s"],
-            "rounds_outside_clientapp_s": None if flower["clientapp_runtime_s"] is None
+            "rounds_outside_clientapp_s": None
+            if flower["clientapp_runtime_s"] is None
             else round(sum(r["round_s"] for r in fr) - flower["clientapp_runtime_s"], 2),
         },
-        "plain_wall": {"total_s": plains[0]["total_s"], "sum_of_rounds_s": round(sum(r["round_s"] for r in pr), 2),
-                       "setup_s": round(plain_setup, 3)},
+        "plain_wall": {
+            "total_s": plains[0]["total_s"],
+            "sum_of_rounds_s": round(sum(r["round_s"] for r in pr), 2),
+            "setup_s": round(plain_setup, 3),
+        },
     }
 
 
@@ -547,63 +645,90 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"  {result['command']}")
     actor = result["cpu"].get("flower_steady", {}).get("cores", {}).get("ray ClientAppActor (ClientApp)", "n/a")
     plain_cores = result["cpu"].get("plain_steady", {}).get("cores", {}).get("benchmark process", "n/a")
-    print(f"  {result['machine']['cpu_count']} CPU cores; plain loop: torch threads {result['plain'][0]['torch_threads']}, "
-          f"{plain_cores} cores busy; ClientApp actor (Ray, num_cpus=2): nice {result['flower_actor_nice']}, "
-          f"{actor} cores busy (steady-state rounds)")
+    print(
+        f"  {result['machine']['cpu_count']} CPU cores; "
+        f"plain loop: torch threads {result['plain'][0]['torch_threads']}, "
+        f"{plain_cores} cores busy; ClientApp actor (Ray, num_cpus=2): nice {result['flower_actor_nice']}, "
+        f"{actor} cores busy (steady-state rounds)"
+    )
     runs = len(result["plain"])
     if runs > 1:
         print("\nplain round_s: mean of the plain runs before and after the Flower run (round 1: the first, cold one)")
-    print(f"\n| round | Flower round_s | plain round_s "
-          f"| ratio | overhead |{' plain runs |' if runs > 1 else ''}")
+    print(f"\n| round | Flower round_s | plain round_s | ratio | overhead |{' plain runs |' if runs > 1 else ''}")
     print("|---:|---:|---:|---:|---:|" + ("---|" if runs > 1 else ""))
     for r in fig["per_round"]:
         extra = f" {' / '.join(f'{v:.2f}' for v in r['plain_runs_s'])} |" if runs > 1 else ""
-        print(f"| {r['round']} | {r['flower_s']:.2f} | {r['plain_s']:.2f} | {r['ratio']:.3f} | "
-              f"{r['overhead_pct']:+.1f}% |{extra}")
+        print(
+            f"| {r['round']} | {r['flower_s']:.2f} | {r['plain_s']:.2f} | {r['ratio']:.3f} | "
+            f"{r['overhead_pct']:+.1f}% |{extra}"
+        )
     if any("flower_in_clientapp_s" in r for r in fig["per_round"]):
         print("\nper phase (--trace-clientapp): Flower = time inside the ClientApp handlers, summed over clients")
-        print("| round | Flower train (CPU s) | plain train (CPU s) | Flower evaluate | plain evaluate "
-              "| Flower outside ClientApps |")
+        print(
+            "| round | Flower train (CPU s) | plain train (CPU s) | Flower evaluate | plain evaluate "
+            "| Flower outside ClientApps |"
+        )
         print("|---:|---:|---:|---:|---:|---:|")
         for r in fig["per_round"]:
-            print(f"| {r['round']} | {r.get('flower_train_clientapp_s', 0):.2f} ({r.get('flower_train_clientapp_cpu_s', 0):.1f}) "
-                  f"| {r['plain_train_s']:.2f} ({r['plain_train_cpu_s']:.1f}) | "
-                  f"{r.get('flower_evaluate_clientapp_s', 0):.2f} | {r['plain_evaluate_s']:.2f} | "
-                  f"{r['flower_outside_clientapp_s']:.2f} |")
+            print(
+                f"| {r['round']} | {r.get('flower_train_clientapp_s', 0):.2f} "
+                f"({r.get('flower_train_clientapp_cpu_s', 0):.1f}) "
+                f"| {r['plain_train_s']:.2f} ({r['plain_train_cpu_s']:.1f}) | "
+                f"{r.get('flower_evaluate_clientapp_s', 0):.2f} | {r['plain_evaluate_s']:.2f} | "
+                f"{r['flower_outside_clientapp_s']:.2f} |"
+            )
         first = result["flower"]["rounds"][0]
         print(f"ClientApp: torch threads {first.get('clientapp_torch_threads')}, nice {first.get('clientapp_nice')}")
     ss = fig["steady_state_overhead_pct"]
     st = fig["startup"]
-    print(f"\nsteady-state overhead (mean over rounds >= 2 of (flower - plain)/plain): {ss:+.2f}% "
-          f"(target < {TARGET_OVERHEAD_PCT:.0f}% at rounds >= {TARGET_MIN_ROUND_S:.0f}s; "
-          f"plain steady round {fig['steady_state_plain_round_s']:.1f}s)")
+    print(
+        f"\nsteady-state overhead (mean over rounds >= 2 of (flower - plain)/plain): {ss:+.2f}% "
+        f"(target < {TARGET_OVERHEAD_PCT:.0f}% at rounds >= {TARGET_MIN_ROUND_S:.0f}s; "
+        f"plain steady round {fig['steady_state_plain_round_s']:.1f}s)"
+    )
     print(f"  median over rounds >= 2: {fig['steady_state_overhead_pct_median']:+.2f}%")
     if runs > 1:
-        print(f"  vs each plain run alone: {', '.join(f'{v:+.2f}%' for v in fig['steady_state_overhead_pct_vs_each_plain_run'])}; "
-              f"the two plain runs differ by {fig['steady_state_plain_spread_pct']:.1f}% per round on average "
-              f"(machine drift/noise: differences below that are not resolved)")
+        print(
+            "  vs each plain run alone: "
+            f"{', '.join(f'{v:+.2f}%' for v in fig['steady_state_overhead_pct_vs_each_plain_run'])}; "
+            f"the two plain runs differ by {fig['steady_state_plain_spread_pct']:.1f}% per round on average "
+            f"(machine drift/noise: differences below that are not resolved)"
+        )
     if fig["steady_state_outside_clientapp_s"] is not None:
-        print(f"  time of a steady-state Flower round outside ClientApp handlers: "
-              f"{fig['steady_state_outside_clientapp_s']:.2f}s "
-              f"({100 * fig['steady_state_outside_clientapp_s'] / fig['steady_state_plain_round_s']:.1f}% of a plain round)")
-    print(f"start-up cost = (SuperLink start -> end of Flower round 1) - (plain start -> end of plain round 1) "
-          f"= {st['flower_to_end_of_round1_s']:.1f}s - {st['plain_to_end_of_round1_s']:.1f}s = "
-          f"{st['startup_cost_s']:.1f}s (target < {TARGET_STARTUP_S:.0f}s)")
-    print(f"  of which: before round 1 {st['flower_pre_round1_s']:.1f}s (plain setup {st['plain_setup_s']:.1f}s), "
-          f"round-1 excess {st['round1_excess_s']:+.1f}s")
+        print(
+            f"  time of a steady-state Flower round outside ClientApp handlers: "
+            f"{fig['steady_state_outside_clientapp_s']:.2f}s "
+            f"({100 * fig['steady_state_outside_clientapp_s'] / fig['steady_state_plain_round_s']:.1f}% "
+            "of a plain round)"
+        )
+    print(
+        f"start-up cost = (SuperLink start -> end of Flower round 1) - (plain start -> end of plain round 1) "
+        f"= {st['flower_to_end_of_round1_s']:.1f}s - {st['plain_to_end_of_round1_s']:.1f}s = "
+        f"{st['startup_cost_s']:.1f}s (target < {TARGET_STARTUP_S:.0f}s)"
+    )
+    print(
+        f"  of which: before round 1 {st['flower_pre_round1_s']:.1f}s (plain setup {st['plain_setup_s']:.1f}s), "
+        f"round-1 excess {st['round1_excess_s']:+.1f}s"
+    )
     fw = fig["flower_wall"]
-    print(f"Flower wall {fw['total_s']:.1f}s = before round 1 {fw['pre_round1_s']:.1f}s + rounds "
-          f"{fw['sum_of_rounds_s']:.1f}s + between rounds {fw['between_rounds_s']:.1f}s + after last round "
-          f"{fw['after_last_round_s']:.1f}s + teardown {fw['teardown_s']:.1f}s; plain wall "
-          f"{fig['plain_wall']['total_s']:.1f}s")
-    print(f"final mean test metrics: flower {result['flower']['final']}, "
-          f"plain {' / '.join(str(run['final']) for run in result['plain'])}")
+    print(
+        f"Flower wall {fw['total_s']:.1f}s = before round 1 {fw['pre_round1_s']:.1f}s + rounds "
+        f"{fw['sum_of_rounds_s']:.1f}s + between rounds {fw['between_rounds_s']:.1f}s + after last round "
+        f"{fw['after_last_round_s']:.1f}s + teardown {fw['teardown_s']:.1f}s; plain wall "
+        f"{fig['plain_wall']['total_s']:.1f}s"
+    )
+    print(
+        f"final mean test metrics: flower {result['flower']['final']}, "
+        f"plain {' / '.join(str(run['final']) for run in result['plain'])}"
+    )
     ca = fig["flower_clientapp"]
     if ca["clientapp_runtime_s"] is not None:
-        print(f"Flower's ClientApp runtime total {ca['clientapp_runtime_s']:.1f}s; Flower rounds "
-              f"{fw['sum_of_rounds_s']:.1f}s, so {ca['rounds_outside_clientapp_s']:.1f}s of the rounds ran outside "
-              f"ClientApps (dispatch, polling, (de)serialisation, aggregation); plain rounds total "
-              f"{fig['plain_wall']['sum_of_rounds_s']:.1f}s")
+        print(
+            f"Flower's ClientApp runtime total {ca['clientapp_runtime_s']:.1f}s; Flower rounds "
+            f"{fw['sum_of_rounds_s']:.1f}s, so {ca['rounds_outside_clientapp_s']:.1f}s of the rounds ran outside "
+            f"ClientApps (dispatch, polling, (de)serialisation, aggregation); plain rounds total "
+            f"{fig['plain_wall']['sum_of_rounds_s']:.1f}s"
+        )
     for name in ("flower_steady", "plain_steady", "plain_after_steady"):
         usage = result["cpu"].get(name) or {}
         if usage:
@@ -642,7 +767,9 @@ def wait_idle(limit_s: float, threshold: float = 0.15) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python " + " ".join([os.path.relpath(__file__, Path.cwd())] + (argv if argv is not None else sys.argv[1:]))
+    command = "python " + " ".join(
+        [os.path.relpath(__file__, Path.cwd())] + (argv if argv is not None else sys.argv[1:])
+    )
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="medflower-overhead-")
@@ -656,8 +783,11 @@ def main(argv: list[str] | None = None) -> int:
         sampler = CpuSampler()
         sampler.start()
         results: dict[str, Any] = {"plain": []}
-        order = {"sandwich": ("plain", "flower", "plain"), "plain-first": ("plain", "flower"),
-                 "flower-first": ("flower", "plain")}[args.order]
+        order = {
+            "sandwich": ("plain", "flower", "plain"),
+            "plain-first": ("plain", "flower"),
+            "flower-first": ("flower", "plain"),
+        }[args.order]
         for which in order:
             if args.wait_idle > 0:
                 wait_idle(args.wait_idle)
@@ -683,13 +813,21 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": command,
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "torch": torch.__version__,
-                        "flwr": __import__("flwr").__version__, "ray": __import__("ray").__version__},
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "flwr": __import__("flwr").__version__,
+                "ray": __import__("ray").__version__,
+            },
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "run_config": {k: v for k, v in config.items() if k != "output-dir"},
-            "targets": {"steady_state_overhead_pct": TARGET_OVERHEAD_PCT, "startup_s": TARGET_STARTUP_S,
-                        "min_round_s": TARGET_MIN_ROUND_S},
+            "targets": {
+                "steady_state_overhead_pct": TARGET_OVERHEAD_PCT,
+                "startup_s": TARGET_STARTUP_S,
+                "min_round_s": TARGET_MIN_ROUND_S,
+            },
             "figures": figures(plains, flower),
             "plain": plains,
             "flower": {k: v for k, v in flower.items() if k != "stdout_tail"},
@@ -703,17 +841,22 @@ def main(argv: list[str] | None = None) -> int:
             busy = (usage or {}).get("cores", {}).get(other, 0.0)
             steal = (usage or {}).get("cores", {}).get("steal (hypervisor, machine-wide)", 0.0)
             if steal > 0.05:
-                result["warnings"].append(f"{steal:.2f} cores stolen by the hypervisor during the "
-                                          f"{name.replace('_', ' ')} rounds; the comparison is unreliable")
+                result["warnings"].append(
+                    f"{steal:.2f} cores stolen by the hypervisor during the "
+                    f"{name.replace('_', ' ')} rounds; the comparison is unreliable"
+                )
             if busy > 0.1:
-                result["warnings"].append(f"machine not idle: other processes used {busy:.2f} cores during the "
-                                          f"{name.replace('_', ' ')} rounds; the comparison is unreliable")
+                result["warnings"].append(
+                    f"machine not idle: other processes used {busy:.2f} cores during the "
+                    f"{name.replace('_', ' ')} rounds; the comparison is unreliable"
+                )
         spread = result["figures"]["steady_state_plain_spread_pct"]
         if spread is not None and spread > TARGET_OVERHEAD_PCT / 2:
             result["warnings"].append(
                 f"the two plain runs differ by {spread:.1f}% per steady-state round on average: this machine's speed "
                 f"drifts by more than half the {TARGET_OVERHEAD_PCT:.0f}% target, so the end-to-end overhead is not "
-                f"resolved to that precision (see the time outside ClientApps with --trace-clientapp)")
+                f"resolved to that precision (see the time outside ClientApps with --trace-clientapp)"
+            )
         print_report(result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -30,8 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-METHODS = (("pfedmxf", {"n-frequency": 3000}), ("fedavg-lora", {"lora-rank": 16}), ("fedstack", {"lora-rank": 16}),
-           ("fedavg-lora-r2", {"lora-rank": 2}))
+METHODS = (
+    ("pfedmxf", {"n-frequency": 3000}),
+    ("fedavg-lora", {"lora-rank": 16}),
+    ("fedstack", {"lora-rank": 16}),
+    ("fedavg-lora-r2", {"lora-rank": 2}),
+)
 
 
 def measure(backbone: str, method: str, overrides: dict, sites: int, rounds: int, out: Path) -> dict:
@@ -39,10 +43,25 @@ def measure(backbone: str, method: str, overrides: dict, sites: int, rounds: int
     from medflower.strategies.base import _record_bytes
 
     strategy = method.split("-r")[0] if method.startswith("fedavg-lora-r") else method
-    config = {"strategy": strategy, "backbone": backbone, "backbone-weights": "none", "img-size": 32,
-              "patch-size": 16, "dataset": "synthetic", "synthetic-size": 40 * sites, "partition": "iid",
-              "num-tasks": 1, "classes-per-task": 2, "rounds-per-task": rounds, "batch-size": 16,
-              "optimizer": "adam", "lr": 1e-3, "output-dir": str(out), "run-name": f"{backbone}-{method}", **overrides}
+    config = {
+        "strategy": strategy,
+        "backbone": backbone,
+        "backbone-weights": "none",
+        "img-size": 32,
+        "patch-size": 16,
+        "dataset": "synthetic",
+        "synthetic-size": 40 * sites,
+        "partition": "iid",
+        "num-tasks": 1,
+        "classes-per-task": 2,
+        "rounds-per-task": rounds,
+        "batch-size": 16,
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "output-dir": str(out),
+        "run-name": f"{backbone}-{method}",
+        **overrides,
+    }
     summary, grid = run_inprocess(config, num_nodes=sites)
     server = [json.loads(line) for line in (out / config["run-name"] / "metrics.jsonl").read_text().splitlines()]
     server = [r for r in server if r["kind"] == "server"]
@@ -50,10 +69,17 @@ def measure(backbone: str, method: str, overrides: dict, sites: int, rounds: int
     uploads = sum(r["bytes_up"] for r in server) / (sites * rounds)
     first = train_messages[0].content["arrays"]
     head = sum(int(first[k].numpy().nbytes) for k in ("head.weight", "head.bias"))
-    return {"backbone": backbone, "method": method, "sites": sites, "rounds": rounds,
-            "uplink": uploads, "uplink_adapter": uploads - head, "trainable_qk": int(uploads - head) // 4,
-            "down_train": sum(_record_bytes(m.content) for m in train_messages) / len(train_messages),
-            "last": summary["final"].get("last")}
+    return {
+        "backbone": backbone,
+        "method": method,
+        "sites": sites,
+        "rounds": rounds,
+        "uplink": uploads,
+        "uplink_adapter": uploads - head,
+        "trainable_qk": int(uploads - head) // 4,
+        "down_train": sum(_record_bytes(m.content) for m in train_messages) / len(train_messages),
+        "last": summary["final"].get("last"),
+    }
 
 
 def main() -> None:
@@ -69,9 +95,12 @@ def main() -> None:
             for method, overrides in METHODS:
                 results.append(measure(backbone, method, overrides, args.sites, args.rounds, Path(tmp)))
                 r = results[-1]
-                print(f"{backbone:10s} {method:16s} uplink {r['uplink'] / 1e3:9.1f} kB (adapter "
-                      f"{r['uplink_adapter'] / 1e3:9.1f} kB, {r['trainable_qk']:>9,} q/k parameters), "
-                      f"training message down {r['down_train'] / 1e3:9.1f} kB", flush=True)
+                print(
+                    f"{backbone:10s} {method:16s} uplink {r['uplink'] / 1e3:9.1f} kB (adapter "
+                    f"{r['uplink_adapter'] / 1e3:9.1f} kB, {r['trainable_qk']:>9,} q/k parameters), "
+                    f"training message down {r['down_train'] / 1e3:9.1f} kB",
+                    flush=True,
+                )
     Path(args.output).write_text(json.dumps(results, indent=1))
     print(f"written: {args.output}")
 

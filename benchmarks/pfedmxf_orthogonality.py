@@ -35,8 +35,9 @@ def measure(run_dir: Path) -> dict:
     cfg = ExperimentConfig.from_run_config({**defaults(), **config, "resume-from": ""}, check_paths=False)
     arrays, meta = Checkpointer(run_dir / "checkpoint").load()
     modules = {name: (m.dim_qk, m.dim_in) for name, m in qk_modules(build_model(cfg.model_spec(), 8)).items()}
-    allocator = FrequencyAllocator(list(modules.values()), cfg.seed, cfg.conjugate_aware,
-                                   shared=cfg.frequency_sharing == "shared")
+    allocator = FrequencyAllocator(
+        list(modules.values()), cfg.seed, cfg.conjugate_aware, shared=cfg.frequency_sharing == "shared"
+    )
     allocator.restore(meta["strategy_meta"]["allocations"])
     blocks = allocator.allocations
     cosines = []
@@ -44,8 +45,13 @@ def measure(run_dir: Path) -> dict:
         deltas = []
         for a in blocks:
             values = arrays[f"coef/{a.task}/{a.client}/{name}"]
-            deltas.append(spectral_delta(torch.as_tensor(dense_spectrum(allocator.coords(a, shape), values, shape)),
-                                         cfg.fourier_scale).double().reshape(2, -1))
+            deltas.append(
+                spectral_delta(
+                    torch.as_tensor(dense_spectrum(allocator.coords(a, shape), values, shape)), cfg.fourier_scale
+                )
+                .double()
+                .reshape(2, -1)
+            )
         for x, y in itertools.combinations(deltas, 2):
             norms = x.norm(dim=1) * y.norm(dim=1)
             ok = norms > 0
@@ -55,10 +61,16 @@ def measure(run_dir: Path) -> dict:
     for i, a in enumerate(blocks):
         owner.update({int(c): i for c in allocator.coords(a, shape)})
     mirrored = sum(1 for c, i in owner.items() if owner.get(int(conjugate(np.array([c]), shape)[0]), i) != i)
-    return {"run": run_dir.name, "conjugate_aware": cfg.conjugate_aware, "sharing": cfg.frequency_sharing,
-            "blocks": len(blocks), "pairs": len(cosines), "max_abs_cosine": max(cosines, default=0.0),
-            "mean_abs_cosine": float(np.mean(cosines)) if cosines else 0.0,
-            "coordinates_mirrored_in_another_block": mirrored}
+    return {
+        "run": run_dir.name,
+        "conjugate_aware": cfg.conjugate_aware,
+        "sharing": cfg.frequency_sharing,
+        "blocks": len(blocks),
+        "pairs": len(cosines),
+        "max_abs_cosine": max(cosines, default=0.0),
+        "mean_abs_cosine": float(np.mean(cosines)) if cosines else 0.0,
+        "coordinates_mirrored_in_another_block": mirrored,
+    }
 
 
 def main() -> None:
@@ -67,10 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     for run in args.runs:
         r = measure(run)
-        print(f"{r['run']:32s} conjugate-aware={str(r['conjugate_aware']):5s} {r['sharing']:8s} "
-              f"{r['blocks']} blocks, {r['pairs']} pairs: max |cos| {r['max_abs_cosine']:.2e}, "
-              f"mean {r['mean_abs_cosine']:.2e}; {r['coordinates_mirrored_in_another_block']} coordinates "
-              f"mirrored in another block")
+        print(
+            f"{r['run']:32s} conjugate-aware={str(r['conjugate_aware']):5s} {r['sharing']:8s} "
+            f"{r['blocks']} blocks, {r['pairs']} pairs: max |cos| {r['max_abs_cosine']:.2e}, "
+            f"mean {r['mean_abs_cosine']:.2e}; {r['coordinates_mirrored_in_another_block']} coordinates "
+            f"mirrored in another block"
+        )
 
 
 if __name__ == "__main__":

@@ -38,12 +38,18 @@ from medflower.strategies.base import Reply  # noqa: E402
 from medflower.strategies.sgca import SGCA, adapter_distances, sgca_weights  # noqa: E402
 
 
-def bottleneck_arrays(width: int, ratio: float = 0.25) -> "OrderedDict[str, tuple[int, ...]]":
+def bottleneck_arrays(width: int, ratio: float = 0.25) -> OrderedDict[str, tuple[int, ...]]:
     """Names and shapes of blocks.0.adapter_attn of a ViT of this width."""
     hidden = round(width * ratio)
     prefix = "backbone.blocks.0.adapter_attn"
-    return OrderedDict([(f"{prefix}.down.weight", (hidden, width)), (f"{prefix}.down.bias", (hidden,)),
-                        (f"{prefix}.up.weight", (width, hidden)), (f"{prefix}.up.bias", (width,))])
+    return OrderedDict(
+        [
+            (f"{prefix}.down.weight", (hidden, width)),
+            (f"{prefix}.down.bias", (hidden,)),
+            (f"{prefix}.up.weight", (width, hidden)),
+            (f"{prefix}.up.bias", (width,)),
+        ]
+    )
 
 
 def make_strategy(shapes, solver: str, workdir: Path) -> SGCA:
@@ -55,9 +61,16 @@ def make_strategy(shapes, solver: str, workdir: Path) -> SGCA:
 def make_replies(shapes, n: int, seed: int) -> list[Reply]:
     rng = np.random.default_rng(seed)
     sizes = rng.integers(50, 500, size=n)
-    return [Reply(node_id=i, client=f"site-{i:04d}",
-                  arrays=OrderedDict((k, rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()),
-                  metrics={"num-examples": float(sizes[i])}, config={}) for i in range(n)]
+    return [
+        Reply(
+            node_id=i,
+            client=f"site-{i:04d}",
+            arrays=OrderedDict((k, rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()),
+            metrics={"num-examples": float(sizes[i])},
+            config={},
+        )
+        for i in range(n)
+    ]
 
 
 def best_of(fn, repeats: int) -> float:
@@ -95,25 +108,46 @@ def main() -> None:
                         continue
                     repeats = args.repeats if solver == "closed-form" else 1
                     strategy = make_strategy(shapes, solver, Path(tmp))
-                    row[f"{solver} step s"] = best_of(lambda: strategy.aggregate_train(1, replies), repeats)
-                    row[f"{solver} W s"] = best_of(lambda: solved.__setitem__(solver, sgca_weights(m, d, 0.8, solver)),
-                                                   repeats)
+                    row[f"{solver} step s"] = best_of(lambda: strategy.aggregate_train(1, replies), repeats)  # noqa: B023 (called here)
+                    row[f"{solver} W s"] = best_of(
+                        lambda: solved.__setitem__(solver, sgca_weights(m, d, 0.8, solver)),  # noqa: B023 (called here)
+                        repeats,
+                    )
                 if "cvxpy" in solved:
                     row["max |W_cvxpy - W_closed|"] = float(np.abs(solved["cvxpy"] - solved["closed-form"]).max())
                     row["W speed-up"] = row["cvxpy W s"] / row["closed-form W s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
-    header = ["width", "params", "clients", "closed-form step s", "closed-form W s", "cvxpy step s", "cvxpy W s",
-              "W speed-up", "max |W_cvxpy - W_closed|"]
+    header = [
+        "width",
+        "params",
+        "clients",
+        "closed-form step s",
+        "closed-form W s",
+        "cvxpy step s",
+        "cvxpy W s",
+        "W speed-up",
+        "max |W_cvxpy - W_closed|",
+    ]
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         cells = [f"{row[h]:.3g}" if isinstance(row.get(h), float) else str(row.get(h, "–")) for h in header]
         print("| " + " | ".join(cells) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                                "torch_threads": torch.get_num_threads()},
-                                    "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "torch_threads": torch.get_num_threads(),
+                },
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwritten to {args.out}")
 
 

@@ -38,8 +38,9 @@ def _write(path: Path, data: bytes, private: bool) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _san(names: list[str]) -> x509.SubjectAlternativeName:
@@ -56,14 +57,31 @@ def make_ca(out: Path, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Cert
     key = ec.generate_private_key(ec.SECP384R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "medflower federation CA")])
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA384()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA384())
+    )
     _write(out / "ca.key", _key_pem(key), private=True)
     _write(out / "ca.crt", cert.public_bytes(serialization.Encoding.PEM), private=False)
     return key, cert
@@ -78,15 +96,19 @@ def load_ca(out: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 def make_server_cert(out: Path, ca_key, ca_cert: x509.Certificate, sans: list[str], days: int) -> None:
     key = ec.generate_private_key(ec.SECP384R1())
     now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, sans[0])]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(_san(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA384()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, sans[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(_san(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
     _write(out / "superlink.key", _key_pem(key), private=True)
     _write(out / "superlink.crt", cert.public_bytes(serialization.Encoding.PEM), private=False)
 
@@ -94,8 +116,9 @@ def make_server_cert(out: Path, ca_key, ca_cert: x509.Certificate, sans: list[st
 def make_supernode_key(folder: Path, site: str) -> None:
     """EC P-384 key pair in OpenSSH format (what Flower 1.41 loads for SuperNode authentication)."""
     key = ec.generate_private_key(ec.SECP384R1())
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     _write(folder / f"{site}.key", private, private=True)
     _write(folder / f"{site}.pub", public + f" {site}\n".encode(), private=False)

@@ -5,16 +5,18 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from .config import ExperimentConfig
 from .strategies import STRATEGIES
-from .strategies.base import ClientRuntime
+from .strategies.client import ClientRuntime
 
 app = ClientApp()
 
 
 def handle(message: Message, context: Context) -> Message:
     """Build the site's runtime and call ``<category>`` or ``<action>`` on the method's client half."""
-    runtime = ClientRuntime.from_message(message, context)
-    half = STRATEGIES[runtime.cfg.strategy].client_half(runtime)
+    cfg = ExperimentConfig.from_run_config(context.run_config, check_paths=False)
+    runtime = ClientRuntime.from_message(message, context, cfg)
+    half = cfg.strategy_class.client_half(runtime)
     category, _, action = message.metadata.message_type.partition(".")
     handler = getattr(half, action or category)
     return Message(handler(message), reply_to=message)

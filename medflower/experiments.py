@@ -42,8 +42,9 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, ExperimentConfig, defaults, safe_name
-from .results import POOLED, read_records, task_curve_layout
+from .config import ConfigError, ExperimentConfig, defaults
+from .results import POOLED, read_records, safe_name
+from .strategies.continual_report import task_curve_layout
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
 
@@ -66,11 +67,16 @@ def load_plan(path: Path) -> dict[str, Any]:
     plan.setdefault("base", {})
     plan.setdefault("per-client", False)
     targets = plan.get("targets")
-    if targets is not None and not (isinstance(targets, dict) and isinstance(targets.get("metric"), str)
-                                    and isinstance(targets.get("values"), list)
-                                    and all(isinstance(v, (int, float)) for v in targets["values"])):
-        raise ExperimentFileError(f"{path}: 'targets' needs a metric name and a list of values, e.g. "
-                                  "{metric: balanced_accuracy, values: [0.55, 0.65, 0.75]}")
+    if targets is not None and not (
+        isinstance(targets, dict)
+        and isinstance(targets.get("metric"), str)
+        and isinstance(targets.get("values"), list)
+        and all(isinstance(v, (int, float)) for v in targets["values"])
+    ):
+        raise ExperimentFileError(
+            f"{path}: 'targets' needs a metric name and a list of values, e.g. "
+            "{metric: balanced_accuracy, values: [0.55, 0.65, 0.75]}"
+        )
     names = set()
     for i, run in enumerate(plan["runs"]):
         if not isinstance(run, dict) or "name" not in run:
@@ -80,12 +86,15 @@ def load_plan(path: Path) -> dict[str, Any]:
         names.add(run["name"])
         for seed in plan["seeds"]:
             try:
-                ExperimentConfig.from_run_config({**defaults(), **run_config(plan, run, seed, Path("."))}, check_paths=True)
+                ExperimentConfig.from_run_config(
+                    {**defaults(), **run_config(plan, run, seed, Path("."))}, check_paths=True
+                )
             except ConfigError as err:
                 raise ExperimentFileError(f"{path}: run {run['name']!r}: {err}") from err
     if plan.get("reference") is not None and plan["reference"] not in names:
-        raise ExperimentFileError(f"{path}: 'reference' {plan['reference']!r} is not one of the runs "
-                                  f"({', '.join(sorted(names))})")
+        raise ExperimentFileError(
+            f"{path}: 'reference' {plan['reference']!r} is not one of the runs ({', '.join(sorted(names))})"
+        )
     return plan
 
 
@@ -96,8 +105,9 @@ def select_runs(plan: dict[str, Any], only: str) -> dict[str, Any]:
         return plan
     known = [run["name"] for run in plan["runs"]]
     if unknown := [n for n in names if n not in known]:
-        raise ExperimentFileError(f"--only names {', '.join(unknown)}, which the file does not list "
-                                  f"(its runs: {', '.join(known)})")
+        raise ExperimentFileError(
+            f"--only names {', '.join(unknown)}, which the file does not list (its runs: {', '.join(known)})"
+        )
     if plan.get("reference") is not None and plan["reference"] not in names:
         raise ExperimentFileError(f"--only must include the reference run {plan['reference']!r}")
     return {**plan, "runs": [run for run in plan["runs"] if run["name"] in names]}
@@ -117,7 +127,7 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     dataset = str(out.get("dataset", ""))
     for kind in ("csv:", "segfolder:"):
         if dataset.startswith(kind):
-            out["dataset"] = kind + str(Path(dataset[len(kind):]).expanduser().resolve())
+            out["dataset"] = kind + str(Path(dataset[len(kind) :]).expanduser().resolve())
     weights = out.get("backbone-weights")
     if isinstance(weights, str) and weights not in ("none", "auto"):
         out["backbone-weights"] = str(Path(weights).expanduser().resolve())
@@ -129,7 +139,9 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
     config = {**plan["base"], **{k: v for k, v in run.items() if k != "name"}}
-    config.update({"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"})
+    config.update(
+        {"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"}
+    )
     return absolute_paths(config)
 
 
@@ -182,15 +194,23 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 for target, reached in rounds_to_targets(plan, run_records(plan, out_dir, run, seed)).items():
                     finals[f"rounds_to_{target}"].append(reached)
             rounds = max(summary["rounds"], 1)
-            finals["bytes_per_round"].append((summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds)
+            finals["bytes_per_round"].append(
+                (summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds
+            )
         table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v)), values=v) for m, v in finals.items()}
         per_client[run["name"]] = {m: {c: _mean_std(v)[0] for c, v in sorted(by.items())} for m, by in clients.items()}
-    result = {"name": plan["name"], "seeds": plan["seeds"], "num-supernodes": plan["num-supernodes"], "table": table,
-              "per_client": per_client}
+    result = {
+        "name": plan["name"],
+        "seeds": plan["seeds"],
+        "num-supernodes": plan["num-supernodes"],
+        "table": table,
+        "per_client": per_client,
+    }
     if plan.get("reference") is not None:
         reference = per_client[plan["reference"]]
-        result["delta_m"] = {name: {m: delta_m(by, reference.get(m, {})) for m, by in row.items()}
-                             for name, row in per_client.items()}
+        result["delta_m"] = {
+            name: {m: delta_m(by, reference.get(m, {})) for m, by in row.items()} for name, row in per_client.items()
+        }
     (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
     markdown = comparison_markdown(plan, table)
     if plan.get("per-client"):
@@ -204,8 +224,11 @@ def round_values(records: list[dict[str, Any]], metric: str) -> dict[int, float]
     """Per round, the server record's value of ``metric`` (a pooled metric), else the mean over the sites' eval
     records (records without a kind count as eval records)."""
     by_round: dict[int, list[float]] = defaultdict(list)
-    server = {int(r["round"]): float(r[metric]) for r in records
-              if r.get("kind") == "server" and isinstance(r.get(metric), (int, float))}
+    server = {
+        int(r["round"]): float(r[metric])
+        for r in records
+        if r.get("kind") == "server" and isinstance(r.get(metric), (int, float))
+    }
     if server:
         return dict(sorted(server.items()))
     for record in records:
@@ -218,8 +241,10 @@ def rounds_to_targets(plan: dict[str, Any], records: list[dict[str, Any]]) -> di
     """For each target value: the first round whose value of the target metric (the mean over sites, or the
     pooled value) reaches it (None: never)."""
     means = round_values(records, plan["targets"]["metric"]).items()
-    return {str(target): next((rnd for rnd, mean in means if mean >= float(target)), None)
-            for target in plan["targets"]["values"]}
+    return {
+        str(target): next((rnd for rnd, mean in means if mean >= float(target)), None)
+        for target in plan["targets"]["values"]
+    }
 
 
 def _rounds_cell(values: list[int | None]) -> str:
@@ -238,13 +263,20 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     target_heads = [f"rounds to {float(t):.0%}" for t in targets]
     head = "| run | " + " | ".join(metrics + target_heads) + " | MB per round |"
     pooled = [m for m in metrics if m in POOLED]
-    lines = [f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics"
-             + (f" ({', '.join(pooled)}: all sites' test rows pooled)" if pooled else "")
-             + f"; {plan['num-supernodes']} sites.", "", head, "|---|" + "---|" * (len(metrics) + len(targets) + 1)]
+    lines = [
+        f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics"
+        + (f" ({', '.join(pooled)}: all sites' test rows pooled)" if pooled else "")
+        + f"; {plan['num-supernodes']} sites.",
+        "",
+        head,
+        "|---|" + "---|" * (len(metrics) + len(targets) + 1),
+    ]
     if targets:
         target = plan["targets"]["metric"]
-        lines[0] += (f" Rounds to x%: the first round whose {'' if target in POOLED else 'mean over sites of '}"
-                     f"{target} reaches x, averaged over the seeds that reach it.")
+        lines[0] += (
+            f" Rounds to x%: the first round whose {'' if target in POOLED else 'mean over sites of '}"
+            f"{target} reaches x, averaged over the seeds that reach it."
+        )
     for name, row in table.items():
         cells = []
         for metric in metrics:
@@ -257,8 +289,9 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
-                        deltas: dict[str, dict[str, float | None]] | None = None) -> str:
+def per_client_markdown(
+    plan: dict[str, Any], per_client: dict[str, Any], deltas: dict[str, dict[str, float | None]] | None = None
+) -> str:
     """One table per metric: runs as rows, sites as columns (mean over seeds), plus the mean over sites and,
     with a ``reference`` run, Δm against it."""
     out = []
@@ -267,9 +300,13 @@ def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
         if not clients:  # a pooled metric: no per-site value
             continue
         extra = [f"Δm vs {plan['reference']} (points)"] if deltas is not None else []
-        out += ["", f"{metric} per site (mean over seeds {plan['seeds']}):", "",
-                "| run | " + " | ".join(clients + ["mean"] + extra) + " |",
-                "|---|" + "---|" * (len(clients) + 1 + len(extra))]
+        out += [
+            "",
+            f"{metric} per site (mean over seeds {plan['seeds']}):",
+            "",
+            "| run | " + " | ".join(clients + ["mean"] + extra) + " |",
+            "|---|" + "---|" * (len(clients) + 1 + len(extra)),
+        ]
         for name, row in per_client.items():
             values = [row.get(metric, {}).get(c) for c in clients]
             cells = ["–" if v is None else f"{v:.3f}" for v in values + [_mean_std(values)[0]]]
@@ -282,8 +319,11 @@ def per_client_markdown(plan: dict[str, Any], per_client: dict[str, Any],
 
 def run_records(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: int) -> list[dict[str, Any]]:
     """A run's eval records and server round records (where the pooled metrics are)."""
-    return [r for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
-            if r.get("kind") in ("eval", "server")]
+    return [
+        r
+        for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
+        if r.get("kind") in ("eval", "server")
+    ]
 
 
 def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
@@ -343,8 +383,14 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
                     per_round[rnd].append(value)
             if per_round:
                 xs = sorted(per_round)
-                ax.plot(xs, [statistics.fmean(per_round[x]) for x in xs], marker="o", ms=3, label=run["name"],
-                        color=colors[i % len(colors)])
+                ax.plot(
+                    xs,
+                    [statistics.fmean(per_round[x]) for x in xs],
+                    marker="o",
+                    ms=3,
+                    label=run["name"],
+                    color=colors[i % len(colors)],
+                )
     for ax, metric in zip(axes[0], metrics):
         ax.set_title(metric)
         ax.set_xlabel("round")
@@ -363,8 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medflower.experiments", description=__doc__.split("\n")[0])
     parser.add_argument("file", type=Path, help="experiments/<name>.yaml")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/experiments"))
-    parser.add_argument("--engine", choices=("flwr", "inprocess"), default="flwr",
-                        help="flwr: every run through `flwr run` (default); inprocess: quick checks")
+    parser.add_argument(
+        "--engine",
+        choices=("flwr", "inprocess"),
+        default="flwr",
+        help="flwr: every run through `flwr run` (default); inprocess: quick checks",
+    )
     parser.add_argument("--compare-only", action="store_true", help="only rebuild the table and curves")
     parser.add_argument("--only", default="", help="comma-separated run names: run and compare just these")
     args = parser.parse_args(argv)

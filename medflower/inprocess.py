@@ -8,7 +8,7 @@ machinery. Flower ships no in-process Grid, so this small one implements its int
 from __future__ import annotations
 
 import traceback
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -22,15 +22,22 @@ DropRule = Callable[[int, Message], bool]
 class InProcessGrid(Grid):
     """Nodes 1..N with node configs ``partition-id``/``num-partitions`` and their own ``context.state``."""
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict, node_configs: list[dict] | None = None,
-                 drop: DropRule | None = None):
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        run_config: dict,
+        node_configs: list[dict] | None = None,
+        drop: DropRule | None = None,
+    ):
         self.client_app = client_app
         self.drop = drop
         self.contexts: dict[int, Context] = {}
         for i in range(num_nodes):
             node_config = {"partition-id": i, "num-partitions": num_nodes, **((node_configs or [{}] * num_nodes)[i])}
-            self.contexts[i + 1] = Context(run_id=1, node_id=i + 1, node_config=node_config, state=RecordDict(),
-                                           run_config=dict(run_config))
+            self.contexts[i + 1] = Context(
+                run_id=1, node_id=i + 1, node_config=node_config, state=RecordDict(), run_config=dict(run_config)
+            )
         self.sent: list[Message] = []
         self._run = None
         # Flower stamps messages with the identity of the task that creates them.
@@ -70,8 +77,9 @@ class InProcessGrid(Grid):
         return replies
 
 
-def run_inprocess(run_config: dict, num_nodes: int, drop: DropRule | None = None,
-                  node_configs: list[dict] | None = None) -> tuple[dict, InProcessGrid]:
+def run_inprocess(
+    run_config: dict, num_nodes: int, drop: DropRule | None = None, node_configs: list[dict] | None = None
+) -> tuple[dict, InProcessGrid]:
     """Run the medflower ServerApp logic against ``num_nodes`` in-process ClientApps."""
     from .client_app import app as client_app
     from .config import defaults

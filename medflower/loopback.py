@@ -15,10 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing
+from collections.abc import Mapping
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 APP_DIR = Path(__file__).resolve().parents[1]
 
@@ -47,10 +48,8 @@ def stop_process_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM)
         os.killpg(proc.pid, sig)
         proc.wait(timeout=15)
     except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=15)
 
 
@@ -106,20 +105,35 @@ class LoopbackFederation:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
-        log = open(self.workdir / f"{name}.log", "ab")
-        return subprocess.Popen(cmd, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the process writes to it after we return)
+        return subprocess.Popen(
+            cmd, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def start_superlink(self) -> None:
-        cmd = ["flower-superlink", "--host", "127.0.0.1", "--port", str(self.port),
-               "--health-server-address", f"127.0.0.1:{self.health_port}",
-               "--database", str(self.workdir / "superlink.db"),
-               "--disable-runtime-dependency-installation"]
+        cmd = [
+            "flower-superlink",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--health-server-address",
+            f"127.0.0.1:{self.health_port}",
+            "--database",
+            str(self.workdir / "superlink.db"),
+            "--disable-runtime-dependency-installation",
+        ]
         cmd += ["--simulation"] if self.simulation else []
         if self.tls_dir:
             t = Path(self.tls_dir)
-            cmd += ["--ssl-ca-certfile", str(t / "ca.crt"), "--ssl-certfile", str(t / "superlink.crt"),
-                    "--ssl-keyfile", str(t / "superlink.key")]
+            cmd += [
+                "--ssl-ca-certfile",
+                str(t / "ca.crt"),
+                "--ssl-certfile",
+                str(t / "superlink.crt"),
+                "--ssl-keyfile",
+                str(t / "superlink.key"),
+            ]
         else:
             cmd += ["--insecure"]
         if self.auth_keys:
@@ -135,12 +149,23 @@ class LoopbackFederation:
         """Start SuperNode ``index`` (data partition ``index``) as ``name`` (default supernode-<index>);
         ``key`` overrides its authentication key (e.g. an unregistered one)."""
         name = name or f"supernode-{index}"
-        node_config = {"partition-id": index, "num-partitions": self.num_supernodes,
-                       **(self.node_configs[index] if index < len(self.node_configs) else {})}
+        node_config = {
+            "partition-id": index,
+            "num-partitions": self.num_supernodes,
+            **(self.node_configs[index] if index < len(self.node_configs) else {}),
+        }
         node_config_arg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
-        cmd = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}",
-               "--port", str(free_port()), "--node-config", node_config_arg,
-               "--health-server-address", f"127.0.0.1:{free_port()}"]
+        cmd = [
+            "flower-supernode",
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--port",
+            str(free_port()),
+            "--node-config",
+            node_config_arg,
+            "--health-server-address",
+            f"127.0.0.1:{free_port()}",
+        ]
         cmd += ["--root-certificates", str(Path(self.tls_dir) / "ca.crt")] if self.tls_dir else ["--insecure"]
         key = key or self.auth_keys.get(index)
         if key is not None:
@@ -149,21 +174,27 @@ class LoopbackFederation:
         return self.supernodes[name]
 
     def write_connection(self) -> str:
-        lines = ["[superlink]", 'default = "loopback"', "", "[superlink.loopback]",
-                 f'address = "127.0.0.1:{self.port}"']
-        extra: dict[str, Any] = ({"root-certificates": str(Path(self.tls_dir) / "ca.crt")} if self.tls_dir
-                                 else {"insecure": True})
+        lines = [
+            "[superlink]",
+            'default = "loopback"',
+            "",
+            "[superlink.loopback]",
+            f'address = "127.0.0.1:{self.port}"',
+        ]
+        extra: dict[str, Any] = (
+            {"root-certificates": str(Path(self.tls_dir) / "ca.crt")} if self.tls_dir else {"insecure": True}
+        )
         if self.simulation:
             extra.setdefault("options.num-supernodes", self.num_supernodes)
         lines += [f"{k} = {toml_value(v).replace(chr(39), chr(34))}" for k, v in extra.items()]
         (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
         return "loopback"
 
-    def __enter__(self) -> "LoopbackFederation":
+    def __enter__(self) -> LoopbackFederation:
         try:
             self.write_connection()
             self.start_superlink()
-            for index, key in sorted(self.auth_keys.items()):
+            for _index, key in sorted(self.auth_keys.items()):
                 self.register(Path(key).with_suffix(".pub"))
             if not self.simulation:
                 for i in range(self.num_supernodes):
@@ -199,10 +230,8 @@ class LoopbackFederation:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             leftovers = self._leftovers()
             for pid in leftovers:
-                try:
+                with suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
             if leftovers and sig == signal.SIGTERM:
                 time.sleep(3)
         if self._tmp is not None:
@@ -213,8 +242,9 @@ class LoopbackFederation:
         cmd = ["flwr", *args]
         proc = subprocess.run(cmd, cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n"
-                               f"{self.logs()}")
+            raise RuntimeError(
+                f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n{self.logs()}"
+            )
         return proc
 
     def run_args(self, run_config: Mapping[str, Any], app_dir: Path = APP_DIR) -> list[str]:
@@ -224,7 +254,9 @@ class LoopbackFederation:
             args += ["--federation-config", " ".join(f"{k}={toml_value(v)}" for k, v in fed.items())]
         return args
 
-    def run_app(self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR) -> subprocess.CompletedProcess:
+    def run_app(
+        self, run_config: Mapping[str, Any], timeout: float = 900, app_dir: Path = APP_DIR
+    ) -> subprocess.CompletedProcess:
         """``flwr run <app> loopback --stream --run-config ...`` and wait for the run to end."""
         return self.flwr(*self.run_args(run_config, app_dir)[1:], timeout=timeout)
 

@@ -42,10 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = load_client_data(DataSpec(dataset=args.dataset, partition="iid", img_size=args.img_size, seed=args.data_seed,
-                                     synthetic_size=args.size, val_fraction=0.1, test_fraction=0.1), 0, 1)
-    spec = ModelSpec(backbone=args.backbone, adapter="full", img_size=args.img_size, patch_size=args.patch_size,
-                     weights="none", seed=args.data_seed, task=data.task)
+    data = load_client_data(
+        DataSpec(
+            dataset=args.dataset,
+            partition="iid",
+            img_size=args.img_size,
+            seed=args.data_seed,
+            synthetic_size=args.size,
+            val_fraction=0.1,
+            test_fraction=0.1,
+        ),
+        0,
+        1,
+    )
+    spec = ModelSpec(
+        backbone=args.backbone,
+        adapter="full",
+        img_size=args.img_size,
+        patch_size=args.patch_size,
+        weights="none",
+        seed=args.data_seed,
+        task=data.task,
+    )
     model = build_model(spec, data.num_classes)
     history = []
 
@@ -55,12 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(history[-1]), flush=True)
 
     torch.manual_seed(args.data_seed)
-    train_epochs(model, make_loader(data.train, args.batch_size, True, args.data_seed), epochs=args.epochs,
-                 optimizer=OptimizerSpec("adamw", args.lr), device=device, after_epoch=report)
+    train_epochs(
+        model,
+        make_loader(data.train, args.batch_size, True, args.data_seed),
+        epochs=args.epochs,
+        optimizer=OptimizerSpec("adamw", args.lr),
+        device=device,
+        after_epoch=report,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.backbone.state_dict().items()}
-    save_file(state, str(args.out), metadata={"pretraining": json.dumps({**vars(args), "out": str(args.out),
-                                                                         "history": history})})
+    save_file(
+        state,
+        str(args.out),
+        metadata={"pretraining": json.dumps({**vars(args), "out": str(args.out), "history": history})},
+    )
     print(f"wrote {args.out} ({len(state)} tensors)")
     return 0
 

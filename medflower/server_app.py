@@ -12,13 +12,12 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from .config import ConfigError, ExperimentConfig, safe_name
+from .config import ConfigError, ExperimentConfig
 from .data import describe_source
 from .data.partition import check_partition_supported
 from .models import build_model
-from .results import RunRecorder
-from .strategies import STRATEGIES
-from .strategies.base import resolve_checkpoint_dir
+from .results import RunRecorder, safe_name
+from .strategies.checkpoint import resolve_checkpoint_dir
 
 app = ServerApp()
 
@@ -46,7 +45,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             path = run_dir / stale
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     recorder = RunRecorder(run_dir)
-    method = STRATEGIES[cfg.strategy]
+    method = cfg.strategy_class
     model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
     initial = build_model(model_spec, method.model_classes(num_classes)).get_trainable()
     strategy = method(cfg, recorder, initial, num_classes)
@@ -55,16 +54,35 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         recorder.truncate_after(strategy.completed_rounds)
     recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())
-    log(INFO, "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
-        cfg.strategy, cfg.dataset, cfg.backbone, model_spec.adapter, size, len(initial), num_classes, run_dir.resolve())
+    log(
+        INFO,
+        "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
+        cfg.strategy,
+        cfg.dataset,
+        cfg.backbone,
+        model_spec.adapter,
+        size,
+        len(initial),
+        num_classes,
+        run_dir.resolve(),
+    )
     elapsed_before = strategy.elapsed_s
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)
-    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=strategy.summary_extra())
-    final = ", ".join(f"{k}={v:.4f}" for k, v in summary["final"].items()
-                      if k in ("auc", "lca", "accuracy", "dice", "iou") and v is not None)
-    log(INFO, "[medflower] finished %d %ss: %s; summary in %s", summary["rounds"], strategy.round_label, final,
-        run_dir.resolve())
+    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=strategy.summary_extra(), report=strategy.report())
+    final = ", ".join(
+        f"{k}={v:.4f}"
+        for k, v in summary["final"].items()
+        if k in ("auc", "lca", "accuracy", "dice", "iou") and v is not None
+    )
+    log(
+        INFO,
+        "[medflower] finished %d %ss: %s; summary in %s",
+        summary["rounds"],
+        strategy.round_label,
+        final,
+        run_dir.resolve(),
+    )
     return summary
 
 

@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,30 @@ TINY = {
     "batch-size": 32,
     "lr": 0.01,
     "partition": "iid",
+}
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    """The records of one kind ("train", "eval", "server", ...) in a run folder's metrics.jsonl, in order."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def run_dir_of(config: dict) -> Path:
+    """The run folder of a run config with a run-name: <output-dir>/<run-name>."""
+    return Path(config["output-dir"]) / config["run-name"]
+
+
+# The class-incremental strategies' small setting: 2 tasks of 2 classes, 2 rounds each, QBLI sites.
+INCREMENTAL = {
+    "num-tasks": 2,
+    "classes-per-task": 2,
+    "rounds-per-task": 2,
+    "n-frequency": 64,
+    "lora-rank": 2,
+    "optimizer": "adam",
+    "lr": 0.01,
+    "partition": "qbli",
 }
 
 
@@ -40,7 +66,13 @@ def tiny_bert(tmp_path_factory):
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     BertModel(config).save_pretrained(str(folder))
     return folder

@@ -1,11 +1,14 @@
 """Config validation: every bad value stops the run with key, value and valid choices."""
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from medflower.config import OPTIONS, ConfigError, ExperimentConfig, defaults
+from medflower.config import ConfigError, ExperimentConfig, all_options, defaults
+from medflower.options import Option, bad, positive
+from medflower.strategies import STRATEGIES, FederatedStrategy, register_strategy
+from medflower.strategies.fedavg import FedAvgClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,9 +24,69 @@ def test_defaults_validate_and_match_pyproject():
     assert c.strategy == "fedavg" and c.num_rounds >= 1
 
 
-def test_dataclass_fields_match_options():
-    fields = set(ExperimentConfig.__dataclass_fields__)
-    assert fields == {o.attr for o in OPTIONS}
+def test_every_key_is_declared_once_and_readable_as_an_attribute():
+    options = all_options()
+    assert len({o.key for o in options}) == len(options)
+    c = cfg()
+    for o in options:
+        assert getattr(c, o.attr) == o.default, o.key
+    with pytest.raises(AttributeError, match="no option 'no-such-key'"):
+        _ = c.no_such_key
+    with pytest.raises(AttributeError, match="read-only"):
+        c.lr = 1.0
+
+
+@pytest.fixture
+def scratch_registry():
+    """The registry as it is; strategies a test registers are gone afterwards."""
+    before = dict(STRATEGIES)
+    yield STRATEGIES
+    STRATEGIES.clear()
+    STRATEGIES.update(before)
+
+
+def test_the_registry_refuses_a_taken_name_a_missing_client_half_and_a_key_declared_twice(scratch_registry):
+    with pytest.raises(ValueError, match="strategy name 'fedavg' is taken by medflower.strategies.fedavg.FedAvg"):
+        register_strategy(type("Copy", (FederatedStrategy,), {"name": "fedavg", "client_half": FedAvgClient}))
+    with pytest.raises(TypeError, match="names no client half"):
+        register_strategy(type("Headless", (FederatedStrategy,), {"name": "headless"}))
+    with pytest.raises(TypeError, match="has no strategy name"):
+        register_strategy(type("Nameless", (FederatedStrategy,), {"client_half": FedAvgClient}))
+    twice = Option("sgca-alpha", 0.5, "another alpha", positive, "x")
+    with pytest.raises(ValueError, match="declares run-config key 'sgca-alpha'.*differently"):
+        register_strategy(
+            type("Twice", (FederatedStrategy,), {"name": "twice", "client_half": FedAvgClient, "options": (twice,)})
+        )
+    assert set(scratch_registry) == set(STRATEGIES) and "twice" not in STRATEGIES
+
+
+def test_a_registered_strategy_brings_its_options_facts_and_checks_to_the_run_config(scratch_registry):
+    class Toy(FederatedStrategy):
+        """Leaves a site: nothing (a test strategy)."""
+
+        name = "toy"
+        client_half = FedAvgClient
+        options = (Option("toy-weight", 0.5, "toy: a weight", positive, "toy"),)
+        tasks = ("segmentation",)
+
+        @classmethod
+        def check_config(cls, c, check_paths):
+            if c.toy_weight > 1:
+                raise bad("toy-weight", c.toy_weight, "must be <= 1 with this toy")
+
+    register_strategy(Toy)
+    c = ExperimentConfig.from_run_config(
+        {**defaults(), "strategy": "toy", "dataset": "synthetic-seg", "partition": "iid", "toy-weight": 0.25}
+    )
+    assert c.toy_weight == 0.25 and c.strategy_class is Toy
+    with pytest.raises(ConfigError, match="'toy-weight' = 2.0 is invalid: must be <= 1 with this toy"):
+        ExperimentConfig.from_run_config(
+            {**defaults(), "strategy": "toy", "dataset": "synthetic-seg", "partition": "iid", "toy-weight": 2.0}
+        )
+    with pytest.raises(ConfigError, match="'toy-weight' = -1.0 is invalid: must be > 0"):
+        ExperimentConfig.from_run_config({**defaults(), "toy-weight": -1.0})
+    with pytest.raises(ConfigError, match="'strategy' = 'toy' is invalid: it trains segmentation models only"):
+        ExperimentConfig.from_run_config({**defaults(), "strategy": "toy"})
 
 
 @pytest.mark.parametrize(
@@ -73,14 +136,28 @@ def test_views_for_layers():
     assert c.data_spec().img_size == 48 and c.model_spec().img_size == 48
 
 
-@pytest.mark.parametrize("overrides, dataset, valid", [
-    ({"strategy": "sgca", "dataset": "synthetic-seg"}, "synthetic-seg", "natural, iid"),
-    ({"dataset": "segfolder:/data/polyp", "partition": "pathological"}, "segfolder:/data/polyp", "natural, iid"),
-    ({"dataset": "medmnist:pneumoniamnist", "partition": "natural"}, "medmnist:pneumoniamnist",
-     "iid, dirichlet, pathological, qbli"),
-    ({"strategy": "fedbkd", "dataset": "synthetic-seg", "partition": "qbli",
-      "site-datasets": "synthetic,synthetic-seg"}, "synthetic-seg", "natural, iid"),
-])
+@pytest.mark.parametrize(
+    "overrides, dataset, valid",
+    [
+        ({"strategy": "sgca", "dataset": "synthetic-seg"}, "synthetic-seg", "natural, iid"),
+        ({"dataset": "segfolder:/data/polyp", "partition": "pathological"}, "segfolder:/data/polyp", "natural, iid"),
+        (
+            {"dataset": "medmnist:pneumoniamnist", "partition": "natural"},
+            "medmnist:pneumoniamnist",
+            "iid, dirichlet, pathological, qbli",
+        ),
+        (
+            {
+                "strategy": "fedbkd",
+                "dataset": "synthetic-seg",
+                "partition": "qbli",
+                "site-datasets": "synthetic,synthetic-seg",
+            },
+            "synthetic-seg",
+            "natural, iid",
+        ),
+    ],
+)
 def test_a_partition_every_site_would_refuse_is_refused_up_front(overrides, dataset, valid):
     """A new user's `strategy='sgca' dataset='synthetic-seg'` used to start, then fail on every site."""
     with pytest.raises(ConfigError) as err:
@@ -91,9 +168,13 @@ def test_a_partition_every_site_would_refuse_is_refused_up_front(overrides, data
 
 
 def test_supported_partitions_pass():
-    for overrides in ({"dataset": "synthetic-seg", "partition": "natural"}, {"dataset": "synthetic-seg", "partition": "iid"},
-                      {"dataset": "synthetic", "partition": "natural"}, {"dataset": "site", "num-classes": 2},
-                      {"dataset": "medmnist:pneumoniamnist", "partition": "qbli"}):
+    for overrides in (
+        {"dataset": "synthetic-seg", "partition": "natural"},
+        {"dataset": "synthetic-seg", "partition": "iid"},
+        {"dataset": "synthetic", "partition": "natural"},
+        {"dataset": "site", "num-classes": 2},
+        {"dataset": "medmnist:pneumoniamnist", "partition": "qbli"},
+    ):
         ExperimentConfig.from_run_config({**defaults(), **overrides}, check_paths=False)
 
 
@@ -108,9 +189,17 @@ def test_server_refuses_a_natural_partition_of_a_manifest_without_sites_before_r
         Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(tmp_path / f"{i}.png")
     manifest = tmp_path / "manifest.csv"
     manifest.write_text("path,label\n" + "".join(f"{i}.png,{i % 2}\n" for i in range(4)))
-    monkeypatch.setattr(inprocess.InProcessGrid, "send_and_receive",
-                        lambda *a, **k: pytest.fail("a message was sent before the partition was checked"))
-    config = {"dataset": f"csv:{manifest}", "partition": "natural", "backbone-weights": "none",
-              "output-dir": str(tmp_path / "out"), "run-name": "csv"}
+    monkeypatch.setattr(
+        inprocess.InProcessGrid,
+        "send_and_receive",
+        lambda *a, **k: pytest.fail("a message was sent before the partition was checked"),
+    )
+    config = {
+        "dataset": f"csv:{manifest}",
+        "partition": "natural",
+        "backbone-weights": "none",
+        "output-dir": str(tmp_path / "out"),
+        "run-name": "csv",
+    }
     with pytest.raises(DataError, match="partition 'natural' needs a site per row"):
         inprocess.run_inprocess(config, num_nodes=2)

@@ -51,8 +51,7 @@ def write_npz(path: Path, sizes=(40, 10, 20), num_classes=3, rgb=False, **overri
     return path
 
 
-def write_csv(folder: Path, rows: list[dict], header=("path", "label", "site", "split"),
-              make_images=True) -> Path:
+def write_csv(folder: Path, rows: list[dict], header=("path", "label", "site", "split"), make_images=True) -> Path:
     """Manifest plus small png images for the rows' paths."""
     lines = [",".join(header)]
     for i, row in enumerate(rows):
@@ -68,8 +67,11 @@ def write_csv(folder: Path, rows: list[dict], header=("path", "label", "site", "
 
 
 def site_rows(sites=("b-hosp", "a-hosp", "c-hosp"), per_site=12, num_classes=2) -> list[dict]:
-    return [{"path": f"img/{s}_{i}.png", "label": ["cat", "dog"][i % num_classes], "site": s}
-            for s in sites for i in range(per_site)]
+    return [
+        {"path": f"img/{s}_{i}.png", "label": ["cat", "dog"][i % num_classes], "site": s}
+        for s in sites
+        for i in range(per_site)
+    ]
 
 
 # ---------------------------------------------------------------- public constants, batches
@@ -91,7 +93,7 @@ def test_batch_shape_dtype_and_range():
     assert y.shape == (16,) and y.dtype == torch.int64
     pixels = x * STD + MEAN
     assert pixels.min() >= -1e-5 and pixels.max() <= 1 + 1e-5
-    assert 0 <= int(y.min()) and int(y.max()) < client.num_classes
+    assert int(y.min()) >= 0 and int(y.max()) < client.num_classes
 
 
 def test_images_to_tensor_normalises_grayscale_and_resizes():
@@ -167,8 +169,7 @@ def test_natural_partition_of_synthetic_by_row_site():
 
 
 def test_per_client_split_fractions():
-    client = load_client_data(DataSpec(synthetic_size=1000, partition="iid", val_fraction=0.1,
-                                       test_fraction=0.2), 0, 2)
+    client = load_client_data(DataSpec(synthetic_size=1000, partition="iid", val_fraction=0.1, test_fraction=0.2), 0, 2)
     total = len(client.train) + len(client.val) + len(client.test)
     assert total == 500
     assert len(client.test) == 100 and len(client.val) == 50
@@ -211,16 +212,20 @@ def test_medmnist_keeps_source_splits(tmp_path):
 def test_every_partition_gets_rows_of_every_source_split(tmp_path, partition):
     """Rows are shuffled before partitioning: no site ends up with only official train rows."""
     write_npz(tmp_path / "pneumoniamnist.npz", sizes=(300, 60, 90), num_classes=2)
-    spec = DataSpec(dataset="medmnist:pneumoniamnist", data_dir=str(tmp_path), partition=partition,
-                    dirichlet_alpha=0.5, pathological_k=2)
+    spec = DataSpec(
+        dataset="medmnist:pneumoniamnist",
+        data_dir=str(tmp_path),
+        partition=partition,
+        dirichlet_alpha=0.5,
+        pathological_k=2,
+    )
     for client in all_clients(spec, 3):
         assert len(client.train) and len(client.val) and len(client.test), (partition, client.partition_id)
 
 
 def test_medmnist_without_source_splits_resplits(tmp_path):
     write_npz(tmp_path / "foomnist.npz", sizes=(60, 20, 30), rgb=True)
-    spec = DataSpec(dataset="medmnist:foomnist", data_dir=str(tmp_path), partition="iid",
-                    use_source_splits=False)
+    spec = DataSpec(dataset="medmnist:foomnist", data_dir=str(tmp_path), partition="iid", use_source_splits=False)
     client = load_client_data(spec, 0, 1)
     assert client.class_names == ["class-0", "class-1", "class-2"]
     assert set(np.unique(client.test.images)) > {1}
@@ -249,11 +254,14 @@ def test_medmnist_missing_keys(tmp_path):
     assert "found keys: test_images, train_images, train_labels, val_labels" in message
 
 
-@pytest.mark.parametrize("labels, expected", [
-    (np.array([[0], [1], [-1], [0]]), "negative"),
-    (np.array([0.0, 1.5, 1.0, 0.0]), "integer"),
-    (np.array([[0, 1], [1, 0], [1, 1], [0, 0]]), "multi-label"),
-])
+@pytest.mark.parametrize(
+    "labels, expected",
+    [
+        (np.array([[0], [1], [-1], [0]]), "negative"),
+        (np.array([0.0, 1.5, 1.0, 0.0]), "integer"),
+        (np.array([[0, 1], [1, 0], [1, 1], [0, 0]]), "multi-label"),
+    ],
+)
 def test_medmnist_bad_labels(tmp_path, labels, expected):
     write_npz(tmp_path / "foomnist.npz", val_images=np.zeros((4, 28, 28), np.uint8), val_labels=labels)
     with pytest.raises(DataError, match=expected) as err:
@@ -279,7 +287,9 @@ def test_medmnist_length_mismatch(tmp_path):
 def test_natural_partition_needs_sites(tmp_path):
     write_npz(tmp_path / "foomnist.npz")
     spec = DataSpec(dataset="medmnist:foomnist", data_dir=str(tmp_path), partition="natural")
-    with pytest.raises(DataError, match="has no site per row, which partition 'natural' needs; valid choices are iid, dirichlet"):
+    with pytest.raises(
+        DataError, match="has no site per row, which partition 'natural' needs; valid choices are iid, dirichlet"
+    ):
         load_client_data(spec, 0, 2)
 
 
@@ -301,8 +311,7 @@ def test_csv_natural_partition_by_sorted_site(tmp_path):
     assert describe_source(spec) == (2, ["cat", "dog"])
     clients = all_clients(spec, 3)
     assert [c.site for c in clients] == ["a-hosp", "b-hosp", "c-hosp"]
-    assert all(all(p.startswith(f"{c.site}_") for p in map(lambda s: Path(s).name, c.train.paths))
-               for c in clients)
+    assert all(all(p.startswith(f"{c.site}_") for p in (Path(s).name for s in c.train.paths)) for c in clients)
     image, label = clients[0].train[0]
     assert image.shape == (16, 16, 3) and image.dtype == np.uint8 and label in (0, 1)
     with pytest.raises(DataError, match="a-hosp, b-hosp, c-hosp"):
@@ -341,8 +350,7 @@ def test_csv_empty_manifest(tmp_path, content):
 
 
 def test_csv_bad_split_values(tmp_path):
-    rows = [{"path": f"x{i}.png", "label": 0, "split": ["train", "validation", "test", "dev"][i % 4]}
-            for i in range(8)]
+    rows = [{"path": f"x{i}.png", "label": 0, "split": ["train", "validation", "test", "dev"][i % 4]} for i in range(8)]
     with pytest.raises(DataError) as err:
         describe_source(DataSpec(dataset=f"csv:{write_csv(tmp_path, rows)}"))
     message = str(err.value)

@@ -25,13 +25,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if shutil.which("flower-superlink") is None:  # pragma: no cover
     pytest.skip("flwr CLI not installed", allow_module_level=True)
 
-SMALL = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
-         "batch-size": 32, "partition": "iid"}
+SMALL = {
+    "synthetic-size": 240,
+    "img-size": 16,
+    "patch-size": 8,
+    "backbone-weights": "none",
+    "batch-size": 32,
+    "partition": "iid",
+}
 
 
 def make_keys(folder: Path, sites: list[str]) -> Path:
-    subprocess.run([sys.executable, str(ROOT / "docker" / "make_certs.py"), "--out", str(folder), "--sites", *sites],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "docker" / "make_certs.py"), "--out", str(folder), "--sites", *sites],
+        check=True,
+        capture_output=True,
+    )
     return folder
 
 
@@ -88,15 +97,25 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
     out = tmp_path / "outputs"
     run_dir = out / "kill"
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
-        fed.start_run({**SMALL, "num-rounds": 4, "min-nodes": 3, "round-timeout": 40.0,
-                       "output-dir": str(out), "run-name": "kill"})
+        fed.start_run(
+            {
+                **SMALL,
+                "num-rounds": 4,
+                "min-nodes": 3,
+                "round-timeout": 40.0,
+                "output-dir": str(out),
+                "run-name": "kill",
+            }
+        )
         wait_for(lambda: 1 in server_rounds(run_dir), 300, "round 1")
         fed.stop(fed.supernodes["supernode-2"], signal.SIGKILL)
         wait_for(lambda: 2 in server_rounds(run_dir), 300, "round 2 without site 2")
         fed.start_supernode(2)
         wait_for(lambda: (run_dir / "summary.json").is_file(), 600, "the run to finish")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    trained = {rnd: {r["client"] for r in records if r["kind"] == "train" and r["round"] == rnd} for rnd in (1, 2, 3, 4)}
+    trained = {
+        rnd: {r["client"] for r in records if r["kind"] == "train" and r["round"] == rnd} for rnd in (1, 2, 3, 4)
+    }
     assert trained[1] == {"site-0", "site-1", "site-2"}
     assert "site-2" not in trained[2]
     assert trained[4] == {"site-0", "site-1", "site-2"}, "the returning site takes part again"

@@ -2,7 +2,7 @@
 
 import re
 import subprocess
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ def compose():
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def cli_flags(program: str) -> set[str]:
     out = subprocess.run([program, "--help"], capture_output=True, text=True, timeout=120).stdout
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", out))
@@ -93,8 +93,11 @@ def test_make_certs_makes_a_verifiable_chain(tmp_path):
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    subprocess.run(["python", str(DOCKER / "make_certs.py"), "--out", str(tmp_path), "--sites", "a", "--san", "link.example"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["python", str(DOCKER / "make_certs.py"), "--out", str(tmp_path), "--sites", "a", "--san", "link.example"],
+        check=True,
+        capture_output=True,
+    )
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
     cert = x509.load_pem_x509_certificate((tmp_path / "superlink.crt").read_bytes())
     cert.verify_directly_issued_by(ca)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from flwr.common.config import parse_config_args
 
-from medflower.config import OPTIONS, ConfigError, ExperimentConfig, defaults, run_config_markdown
+from medflower.config import ConfigError, ExperimentConfig, all_options, defaults, run_config_markdown
 from medflower.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +95,7 @@ def links(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ 1. links
 
+
 def broken_links(path: Path, root: Path = ROOT) -> list[str]:
     problems = []
     for target in links(path):
@@ -120,10 +121,12 @@ def test_every_relative_link_and_anchor_resolves():
 
 
 def test_the_link_checker_catches_a_broken_file_an_unknown_anchor_and_slugs_like_github(tmp_path):
-    (tmp_path / "a.md").write_text("# Results on synthetic (8 classes, 4 tasks × 2 classes)\n\n## `sgca`\n\n## SGCA\n\n"
-                                   "[ok](#results-on-synthetic-8-classes-4-tasks--2-classes) [ok](#sgca-1) "
-                                   "[ok](b.md#code-and-links) [bad](#nope) [bad](missing.md) [bad](b.md#nope) "
-                                   "`[not a link](nowhere.md)`\n")
+    (tmp_path / "a.md").write_text(
+        "# Results on synthetic (8 classes, 4 tasks × 2 classes)\n\n## `sgca`\n\n## SGCA\n\n"
+        "[ok](#results-on-synthetic-8-classes-4-tasks--2-classes) [ok](#sgca-1) "
+        "[ok](b.md#code-and-links) [bad](#nope) [bad](missing.md) [bad](b.md#nope) "
+        "`[not a link](nowhere.md)`\n"
+    )
     (tmp_path / "b.md").write_text("## Code and [links](a.md)\n```\n# not a heading\n[not a link](gone.md)\n```\n")
     problems = broken_links(tmp_path / "a.md", tmp_path) + broken_links(tmp_path / "b.md", tmp_path)
     assert len(problems) == 3, problems
@@ -134,14 +137,16 @@ def test_the_link_checker_catches_a_broken_file_an_unknown_anchor_and_slugs_like
 
 # ------------------------------------------------------------------------------------------------ 2. run config
 
+
 def test_every_run_config_key_is_on_the_generated_page():
     page = RUN_CONFIG_DOC.read_text()
-    missing = [o.key for o in OPTIONS if f"| `{o.key}` |" not in page]
+    missing = [o.key for o in all_options() if f"| `{o.key}` |" not in page]
     assert not missing, f"docs/run-config.md lacks {missing}: run `python -m medflower.config --write`"
     assert page == run_config_markdown(), "docs/run-config.md is stale: run `python -m medflower.config --write`"
 
 
 # ------------------------------------------------------------------------------------------------ 3. strategies
+
 
 def methods_table_rows() -> dict[str, str]:
     """strategy name -> the docs/methods page its README row links to."""
@@ -183,6 +188,7 @@ def test_every_strategy_has_a_page_linked_from_the_readme_methods_table():
 
 # ------------------------------------------------------------------------------------------------- 4. commands
 
+
 def logical_lines(block: str) -> list[str]:
     """Shell lines with backslash continuations joined."""
     out, current = [], ""
@@ -204,7 +210,7 @@ def flwr_run_commands() -> list[tuple[str, str]]:
         for block in split_fenced(path.read_text())[1]:
             for line in logical_lines(block):
                 if "flwr run" in line:
-                    found.append((str(path.relative_to(ROOT)), line[line.index("flwr run"):]))
+                    found.append((str(path.relative_to(ROOT)), line[line.index("flwr run") :]))
     return found
 
 
@@ -254,13 +260,16 @@ def test_every_documented_flwr_run_names_only_keys_and_strategies_that_exist():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("command, why", [
-    ("flwr run . --run-config \"strategy='sgca' sgca-alpah=0.8\"", "unknown"),
-    ("flwr run . --run-config \"strategy='fedsomething'\"", "strategy"),
-    ("flwr run . --run-config \"strategy='sgca' dataset='synthetic-seg'\"", "partition"),
-    ("flwr run . --run-config \"strategy='sift'\"", "class embeddings"),
-    ("flwr run . --run-config \"lat-layers=all\"", "format"),
-])
+@pytest.mark.parametrize(
+    "command, why",
+    [
+        ("flwr run . --run-config \"strategy='sgca' sgca-alpah=0.8\"", "unknown"),
+        ("flwr run . --run-config \"strategy='fedsomething'\"", "strategy"),
+        ("flwr run . --run-config \"strategy='sgca' dataset='synthetic-seg'\"", "partition"),
+        ("flwr run . --run-config \"strategy='sift'\"", "class embeddings"),
+        ('flwr run . --run-config "lat-layers=all"', "format"),
+    ],
+)
 def test_the_command_check_refuses_bad_keys_values_and_combinations(command, why):
     with pytest.raises(Exception, match=why):
         check_run_config(run_config_of(command))
@@ -332,16 +341,21 @@ def test_every_experiment_file_is_valid():
 
 # ----------------------------------------------------------------------------- no pointers outside the repository
 
+
 def outside_pointers(path: Path, text: str) -> list[str]:
     """Names a user who cloned the repository alone cannot follow: a ``*.md`` file that exists nowhere in the
     repository, or a ``../`` path that leaves it."""
     markdown_names = {p.name for p in ROOT.rglob("*.md") if not {".git", "outputs"} & set(p.relative_to(ROOT).parts)}
     markdown_names |= {"summary.md", "comparison.md"}  # what a run and the experiments runner write
-    problems = [f"{path.relative_to(ROOT)}: names {name}, which is not in the repository"
-                for name in sorted(set(re.findall(r"[\w-]+\.md\b", text)) - markdown_names)]
-    problems += [f"{path.relative_to(ROOT)}: {rel} leaves the repository"
-                 for rel in sorted(set(re.findall(r"(?:\.\./)+[\w./-]*", text)))
-                 if not (path.parent / rel).resolve().is_relative_to(ROOT)]
+    problems = [
+        f"{path.relative_to(ROOT)}: names {name}, which is not in the repository"
+        for name in sorted(set(re.findall(r"[\w-]+\.md\b", text)) - markdown_names)
+    ]
+    problems += [
+        f"{path.relative_to(ROOT)}: {rel} leaves the repository"
+        for rel in sorted(set(re.findall(r"(?:\.\./)+[\w./-]*", text)))
+        if not (path.parent / rel).resolve().is_relative_to(ROOT)
+    ]
     return problems
 
 

@@ -1,13 +1,12 @@
 """SCAFFOLD and FedDyn: the correction terms' gradients, the papers' client and server updates on real
-replies, per-site state across a resume, and the config check."""
+replies, BatchNorm statistics, and the config check (resume and per-site state: tests/test_contract.py)."""
 
-import json
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import records, run_dir_of
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
@@ -27,10 +26,6 @@ class Params(nn.Module):
 
     def trainable_parameters(self):
         return OrderedDict([("a", self.a), ("b", self.b)])
-
-
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def test_scaffold_term_adds_c_minus_ci_and_feddyn_term_has_the_papers_gradient():
@@ -68,15 +63,17 @@ def test_scaffold_follows_option_ii_on_the_sites_and_the_server(tiny, monkeypatc
     replies, x = captured[1]
     name = "head.weight"
     for r in replies:  # round 1: c = c_i = 0, so Δc = c_i⁺ = (x − y)/(K η) = −Δy/(K η)
-        np.testing.assert_allclose(r.arrays[drift.CONTROL + name], -r.arrays[name] / (r.metrics["train_steps"] * 0.05),
-                                   rtol=1e-4, atol=1e-6)
-    round2 = from_record([m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"][0]
-                         .content["arrays"])
+        np.testing.assert_allclose(
+            r.arrays[drift.CONTROL + name], -r.arrays[name] / (r.metrics["train_steps"] * 0.05), rtol=1e-4, atol=1e-6
+        )
+    round2 = from_record(
+        [m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"][0].content["arrays"]
+    )
     mean_dy = np.mean([r.arrays[name] for r in replies], axis=0)
     mean_dc = np.mean([r.arrays[drift.CONTROL + name] for r in replies], axis=0)
     np.testing.assert_allclose(round2[name], x[name] + 0.5 * mean_dy, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(round2[drift.CONTROL + name], mean_dc, rtol=1e-5, atol=1e-6)  # |S| = N
-    losses = [r["train_loss"] for r in records(Path(config["output-dir"]) / "scaffold", "train")]
+    losses = [r["train_loss"] for r in records(run_dir_of(config), "train")]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
 
 
@@ -90,19 +87,6 @@ def test_feddyn_server_step_is_the_mean_minus_h_over_alpha(tiny, monkeypatch):
     expected = np.mean([r.arrays[name] for r in replies], axis=0) - h / 0.1
     theta_round2 = captured[2][1]  # the global arrays round 2 started from
     np.testing.assert_allclose(theta_round2[name], expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("strategy,extra", [("scaffold", SGD), ("feddyn", {})])
-def test_resume_restores_the_sites_state_and_equals_an_uninterrupted_run(tiny, strategy, extra):
-    common = {**extra, "strategy": strategy}
-    full = tiny(**{**common, "run-name": "full", "num-rounds": 3})
-    run_inprocess(full, num_nodes=2)
-    part = tiny(**{**common, "run-name": "part", "num-rounds": 2})
-    run_inprocess(part, num_nodes=2)
-    run_inprocess(tiny(**{**common, "num-rounds": 3, "resume-from": str(Path(part["output-dir"]) / "part")}), num_nodes=2)
-    key = lambda d: [(r["round"], r["client"], r["train_loss"]) for r in records(d, "train")]  # noqa: E731
-    out = Path(full["output-dir"])
-    assert key(out / "full") == key(out / "part") and len(key(out / "full")) == 6
 
 
 def test_scaffold_refuses_adaptive_optimizers():
@@ -136,26 +120,29 @@ def test_drift_corrections_leave_batchnorm_statistics_to_a_plain_mean(tiny, monk
     run_inprocess(config, num_nodes=2)
     replies, _ = captured[1]
     statistic = "backbone.layer1.0.bn1.running_var"
-    np.testing.assert_allclose(captured[2][1][statistic], np.mean([r.arrays[statistic] for r in replies], axis=0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        captured[2][1][statistic], np.mean([r.arrays[statistic] for r in replies], axis=0), rtol=1e-6
+    )
     scaffold = capture(monkeypatch, drift.Scaffold)
-    run_inprocess(tiny(**{**FULL_RESNET, **SGD, "strategy": "scaffold", "run-name": "scaffold-full", "num-rounds": 1}),
-                  num_nodes=2)
+    run_inprocess(
+        tiny(**{**FULL_RESNET, **SGD, "strategy": "scaffold", "run-name": "scaffold-full", "num-rounds": 1}),
+        num_nodes=2,
+    )
     arrays = scaffold[1][0][0].arrays
     assert drift.CONTROL + "backbone.conv1.weight" in arrays and statistic in arrays
     assert not any(k.startswith(drift.CONTROL) and k.endswith(("running_mean", "running_var")) for k in arrays)
 
 
 def test_lr_decay_scales_each_rounds_learning_rate(tiny, monkeypatch):
-    from medflower.strategies import base
+    from medflower.strategies import client
 
     seen = []
-    original = base.train_epochs
+    original = client.train_epochs
 
     def spy(*args, optimizer, **kwargs):
         seen.append(optimizer.lr)
         return original(*args, optimizer=optimizer, **kwargs)
 
-    monkeypatch.setattr(base, "train_epochs", spy)
+    monkeypatch.setattr(client, "train_epochs", spy)
     run_inprocess(tiny(**{"strategy": "fedavg", "run-name": "decay", "lr": 0.01, "lr-decay": 0.5}), num_nodes=2)
     np.testing.assert_allclose(seen, [0.01, 0.01, 0.005, 0.005, 0.0025, 0.0025])

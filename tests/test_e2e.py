@@ -30,12 +30,20 @@ def test_flwr_run_simulation(tmp_path):
     out = tmp_path / "outputs"
     np.save(tmp_path / "classes.npy", np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32))
     with LoopbackFederation(num_supernodes=3, simulation=True, workdir=tmp_path / "fed") as fed:
-        proc = fed.run_app({**SMALL, "strategy": "sgca", "num-rounds": 2,
-                            "output-dir": str(out), "run-name": "sim"})
-        fedkei = fed.run_app({**SMALL, "strategy": "fedkei", "num-tasks": 2, "task-epochs": 1,
-                              "output-dir": str(out), "run-name": "kei"})
-        sift = fed.run_app({**SMALL, "strategy": "sift", "num-rounds": 1, "class-embeddings": str(tmp_path / "classes.npy"),
-                            "output-dir": str(out), "run-name": "sift"})
+        proc = fed.run_app({**SMALL, "strategy": "sgca", "num-rounds": 2, "output-dir": str(out), "run-name": "sim"})
+        fedkei = fed.run_app(
+            {**SMALL, "strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "output-dir": str(out), "run-name": "kei"}
+        )
+        sift = fed.run_app(
+            {
+                **SMALL,
+                "strategy": "sift",
+                "num-rounds": 1,
+                "class-embeddings": str(tmp_path / "classes.npy"),
+                "output-dir": str(out),
+                "run-name": "sift",
+            }
+        )
     assert (out / "sift" / "summary.json").is_file(), sift.stdout
     sift_records = [json.loads(line) for line in (out / "sift" / "metrics.jsonl").read_text().splitlines()]
     hops = [r for r in sift_records if r["kind"] == "train"]
@@ -44,8 +52,9 @@ def test_flwr_run_simulation(tmp_path):
     assert (out / "kei" / "summary.json").is_file(), fedkei.stdout
     kei = json.loads((out / "kei" / "summary.json").read_text())
     assert set(kei["tasks"]) == {"1", "2"} and len(kei["tasks"]["2"]["per_client"]) == 3
-    kei_server = [json.loads(line) for line in (out / "kei" / "metrics.jsonl").read_text().splitlines()
-                  if '"server"' in line]
+    kei_server = [
+        json.loads(line) for line in (out / "kei" / "metrics.jsonl").read_text().splitlines() if '"server"' in line
+    ]
     assert kei_server[1]["bytes"]["bilevel_gradients"]["replies"] == 3 and kei_server[1]["num_failed"] == 0
     summary_path = out / "sim" / "summary.json"
     assert summary_path.is_file(), proc.stdout
@@ -53,6 +62,7 @@ def test_flwr_run_simulation(tmp_path):
     assert summary["rounds"] == 2 and len(summary["per_client"]) == 3
     for name in ("metrics.jsonl", "summary.md", "curves.png", "checkpoint/state.json"):
         assert (out / "sim" / name).is_file()
-    servers = [json.loads(line) for line in (out / "sim" / "metrics.jsonl").read_text().splitlines()
-               if '"server"' in line]
+    servers = [
+        json.loads(line) for line in (out / "sim" / "metrics.jsonl").read_text().splitlines() if '"server"' in line
+    ]
     assert [len(r["sgca_W"]) for r in servers] == [3, 3]

@@ -4,10 +4,16 @@ import json
 
 import pytest
 
-from medflower.experiments import delta_m, ExperimentFileError, load_plan, main, rounds_to_targets, select_runs
+from medflower.experiments import ExperimentFileError, delta_m, load_plan, main, rounds_to_targets, select_runs
 
-TINY_BASE = {"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
-             "num-rounds": 2, "partition": "iid"}
+TINY_BASE = {
+    "synthetic-size": 240,
+    "img-size": 16,
+    "patch-size": 8,
+    "backbone-weights": "none",
+    "num-rounds": 2,
+    "partition": "iid",
+}
 
 
 def write_yaml(path, plan):
@@ -34,8 +40,17 @@ def test_bad_files_name_the_run_and_key(tmp_path):
 
 
 def test_runs_compare_and_plot_in_process(tmp_path, capsys):
-    plan = {"name": "mini", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["auc", "accuracy"], "per-client": True,
-            "reference": "local", "targets": {"metric": "auc", "values": [0.0, 1.01]}, "base": TINY_BASE, "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}]}
+    plan = {
+        "name": "mini",
+        "num-supernodes": 2,
+        "seeds": [0, 1],
+        "metrics": ["auc", "accuracy"],
+        "per-client": True,
+        "reference": "local",
+        "targets": {"metric": "auc", "values": [0.0, 1.01]},
+        "base": TINY_BASE,
+        "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}],
+    }
     path = write_yaml(tmp_path / "mini.yaml", plan)
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
     out = tmp_path / "out" / "mini"
@@ -53,8 +68,9 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     assert result["table"]["fedavg"]["rounds_to_1.01"]["values"] == [None, None]
     assert "rounds to 0% | rounds to 101% |" in table and "| 1.0 | not reached |" in table
     # per-client tables: one per metric, each site's value averaged over seeds
-    site_auc = [json.loads((out / f"local-seed{s}" / "summary.json").read_text())["per_client"]["site-1"]["auc"]
-                for s in (0, 1)]
+    site_auc = [
+        json.loads((out / f"local-seed{s}" / "summary.json").read_text())["per_client"]["site-1"]["auc"] for s in (0, 1)
+    ]
     assert result["per_client"]["local"]["auc"]["site-1"] == pytest.approx(sum(site_auc) / 2)
     assert "auc per site" in table and "| run | site-0 | site-1 | mean | Δm vs local (points) |" in table
     fedavg, local = result["per_client"]["fedavg"]["auc"], result["per_client"]["local"]["auc"]
@@ -72,9 +88,14 @@ def test_delta_m_averages_each_sites_change_over_the_sites_both_runs_report():
 
 
 def test_rounds_to_a_target_use_the_mean_over_sites_of_each_round():
-    evals = [{"round": 1, "client": "a", "m": 0.5}, {"round": 1, "client": "b", "m": 0.7},
-             {"round": 2, "client": "a", "m": 0.6}, {"round": 2, "client": "b", "m": 0.8},
-             {"round": 3, "client": "a", "m": 0.9}, {"round": 3, "client": "b", "m": 0.5}]
+    evals = [
+        {"round": 1, "client": "a", "m": 0.5},
+        {"round": 1, "client": "b", "m": 0.7},
+        {"round": 2, "client": "a", "m": 0.6},
+        {"round": 2, "client": "b", "m": 0.8},
+        {"round": 3, "client": "a", "m": 0.9},
+        {"round": 3, "client": "b", "m": 0.5},
+    ]
     plan = {"targets": {"metric": "m", "values": [0.6, 0.7, 0.75]}}
     assert rounds_to_targets(plan, evals) == {"0.6": 1, "0.7": 2, "0.75": None}
 
@@ -90,7 +111,7 @@ def test_the_pretrained_encoder_stand_in_is_what_a_run_loads(tmp_path, capsys):
     assert "dice" in capsys.readouterr().out  # per-epoch validation of the segmentation pretraining
     with safe_open(str(out), "pt") as f:
         history = json.loads(f.metadata()["pretraining"])["history"]
-        saved = {k: f.get_tensor(k) for k in f.keys()}
+        saved = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     assert [h["epoch"] for h in history] == [1, 2] and all("dice" in h for h in history)
     model, source = create_backbone("vit_tiny_patch16_224", img_size=16, patch_size=8, weights=str(out), seed=7)
     assert source == f"file:{out}" and not any(k.startswith(("head.", "decoder.")) for k in saved)
@@ -99,10 +120,18 @@ def test_the_pretrained_encoder_stand_in_is_what_a_run_loads(tmp_path, capsys):
 
 
 def test_only_runs_and_compares_the_named_runs_in_the_files_order(tmp_path):
-    plan = {"name": "part", "num-supernodes": 2, "seeds": [0], "metrics": ["auc"],
-            "base": {**TINY_BASE, "num-rounds": 1},
-            "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"},
-                     {"name": "fedprox", "strategy": "fedprox"}]}
+    plan = {
+        "name": "part",
+        "num-supernodes": 2,
+        "seeds": [0],
+        "metrics": ["auc"],
+        "base": {**TINY_BASE, "num-rounds": 1},
+        "runs": [
+            {"name": "fedavg", "strategy": "fedavg"},
+            {"name": "local", "strategy": "local"},
+            {"name": "fedprox", "strategy": "fedprox"},
+        ],
+    }
     path = write_yaml(tmp_path / "part.yaml", plan)
     assert [r["name"] for r in select_runs(load_plan(path), "fedprox, fedavg")["runs"]] == ["fedavg", "fedprox"]
     assert select_runs(load_plan(path), "")["runs"] == load_plan(path)["runs"]

@@ -1,40 +1,41 @@
 """FedBKD and the width-scaling baselines in the protocol: sub-encoders of each site's capacity, the covered
 merge on real replies (μ_k weights, uncovered entries kept), segmentation and classification sites in one
-federation with their decoders kept at home, rejected index sets, resume, config errors."""
+federation with their decoders kept at home, rejected index sets, config errors (resume, faults and bytes of every
+strategy: tests/test_contract.py)."""
 
-import json
 from collections import OrderedDict
-from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
 from medflower.models.ffn_slices import kept_count
-from medflower.strategies import fedbkd
-from medflower.strategies.base import Checkpointer
+from medflower.strategies import submodel
 
-MIXED = {"dataset": "synthetic-seg", "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
-         "fedbkd-capacities": "0.5,0.125,0.25", "synthetic-size": 160, "num-rounds": 2}
+MIXED = {
+    "dataset": "synthetic-seg",
+    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
+    "fedbkd-capacities": "0.5,0.125,0.25",
+    "synthetic-size": 160,
+    "num-rounds": 2,
+}
 FFN = "backbone.blocks.0.mlp"
 
 
 def capture(monkeypatch):
     captured = {}
-    original = fedbkd.SubModelStrategy.aggregate_train
+    original = submodel.SubModelStrategy.aggregate_train
 
     def spy(self, rnd, replies):
         before = OrderedDict((k, v.copy()) for k, v in self.global_arrays.items())
         original(self, rnd, replies)
         captured[rnd] = (replies, before, OrderedDict((k, v.copy()) for k, v in self.global_arrays.items()))
 
-    monkeypatch.setattr(fedbkd.SubModelStrategy, "aggregate_train", spy)
+    monkeypatch.setattr(submodel.SubModelStrategy, "aggregate_train", spy)
     return captured
-
-
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_entry_over_its_holders(tiny, monkeypatch):
@@ -64,7 +65,7 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
             position = int(np.searchsorted(kept[clients[0]], neuron))
             assert rows[neuron] == pytest.approx(by_client[clients[0]].arrays[FFN + ".fc1.bias"][position], rel=1e-6)
     assert any(not c for c in holders.values())
-    server = records(Path(config["output-dir"]) / "bkd", "server")[0]
+    server = records(run_dir_of(config), "server")[0]
     assert server["merge_weights"] == pytest.approx({c: round(v, 6) for c, v in w.items()}, abs=1e-6)
 
 
@@ -75,7 +76,7 @@ def test_without_eigenvalue_weights_fedbkd_merges_by_site_size(tiny, monkeypatch
     replies = captured[1][0]
     assert all("feature-spread" not in r.metrics for r in replies)  # no μ_k computed
     sizes = {r.client: r.num_examples for r in replies}
-    server = records(Path(config["output-dir"]) / "nk", "server")[0]
+    server = records(run_dir_of(config), "server")[0]
     assert server["merge_weights"] == pytest.approx({c: n / sum(sizes.values()) for c, n in sizes.items()}, abs=1e-6)
 
 
@@ -85,14 +86,19 @@ def test_segmentation_and_classification_sites_share_only_the_encoder(tiny):
     per_client = summary["per_client"]
     assert "dice" in per_client["client-0"] and "dice" in per_client["client-1"]
     assert "accuracy" in per_client["client-2"] and "dice" not in per_client["client-2"]
-    state = Path(config["output-dir"]) / "mixed" / "client-state"
+    state = run_dir_of(config) / "client-state"
     saved = sorted(p.name for p in (state / "partition-2" / "submodel").iterdir())
     assert saved == ["round-1.safetensors", "round-2.safetensors"]  # the site's head and sub-encoder stay home
 
 
-@pytest.mark.parametrize("strategy, first, second", [("heterofl", np.arange(96), np.arange(96)),
-                                                     ("fedrolex", np.arange(96), np.arange(1, 97)),
-                                                     ("submodel-fedprox", np.arange(96), np.arange(96))])
+@pytest.mark.parametrize(
+    "strategy, first, second",
+    [
+        ("heterofl", np.arange(96), np.arange(96)),
+        ("fedrolex", np.arange(96), np.arange(1, 97)),
+        ("submodel-fedprox", np.arange(96), np.arange(96)),
+    ],
+)
 def test_the_baselines_keep_the_neurons_they_claim(tiny, monkeypatch, strategy, first, second):
     captured = capture(monkeypatch)
     run_inprocess(tiny(**{**MIXED, "strategy": strategy, "run-name": strategy}), num_nodes=3)
@@ -102,7 +108,7 @@ def test_the_baselines_keep_the_neurons_they_claim(tiny, monkeypatch, strategy, 
 
 
 def test_a_reply_with_repeated_neurons_is_rejected(tiny, monkeypatch):
-    original = fedbkd.SubModelClient.train
+    original = submodel.SubModelClient.train
 
     def corrupt(self, message):
         content = original(self, message)
@@ -111,28 +117,16 @@ def test_a_reply_with_repeated_neurons_is_rejected(tiny, monkeypatch):
             index = record["kept/" + FFN].numpy().copy()
             index[1] = index[0]
             from flwr.app import Array
+
             record["kept/" + FFN] = Array(index)
         return content
 
-    monkeypatch.setattr(fedbkd.SubModelClient, "train", corrupt)
+    monkeypatch.setattr(submodel.SubModelClient, "train", corrupt)
     config = tiny(**{**MIXED, "strategy": "feddrop", "run-name": "bad", "num-rounds": 1})
     run_inprocess(config, num_nodes=3)
-    server = records(Path(config["output-dir"]) / "bad", "server")[0]
+    server = records(run_dir_of(config), "server")[0]
     assert server["num_rejected"] == 1 and "client-1" in server["rejected"][0]
     assert set(server["merge_weights"]) == {"client-0", "client-2"}
-
-
-def test_resume_equals_an_uninterrupted_run(tiny):
-    whole = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "whole", "num-rounds": 3})
-    run_inprocess(whole, num_nodes=3)
-    part = tiny(**{**MIXED, "strategy": "fedbkd", "run-name": "part", "num-rounds": 2})
-    run_inprocess(part, num_nodes=3)
-    run_inprocess(tiny(**{**MIXED, "strategy": "fedbkd", "num-rounds": 3,
-                          "resume-from": str(Path(part["output-dir"]) / "part")}), num_nodes=3)
-    a, _ = Checkpointer(Path(whole["output-dir"]) / "whole" / "checkpoint").load()
-    b, _ = Checkpointer(Path(part["output-dir"]) / "part" / "checkpoint").load()
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_bad_capacities_and_task_mixes_are_named(tiny):
@@ -144,7 +138,12 @@ def test_bad_capacities_and_task_mixes_are_named(tiny):
     with pytest.raises(ConfigError, match="mixes tasks"):
         check(strategy="fedavg", **{"site-datasets": "synthetic-seg,synthetic"})
     with pytest.raises(ConfigError, match="leave task='auto'"):
-        check(strategy="fedbkd", task="segmentation", dataset="synthetic-seg", **{"site-datasets": "synthetic-seg,synthetic"})
+        check(
+            strategy="fedbkd",
+            task="segmentation",
+            dataset="synthetic-seg",
+            **{"site-datasets": "synthetic-seg,synthetic"},
+        )
     with pytest.raises(ConfigError, match="entry 'synthtic'"):
         check(strategy="fedbkd", **{"site-datasets": "synthetic,synthtic"})
     with pytest.raises(ConfigError, match=r"'site-datasets' = 'medmnist:nope'.*no file"):
@@ -158,14 +157,13 @@ def test_bad_capacities_and_task_mixes_are_named(tiny):
         cfg.site_dataset(0, 4)
 
 
-def test_local_training_with_capacities_sends_nothing_and_continues_the_sites_own_model(tiny, replies_of_train):
+def test_local_training_with_capacities_continues_the_sites_own_prefix_sub_model(tiny):
+    """What it sends (arrays down in round 1 only, none up): tests/test_contract.py."""
     config = tiny(**{**MIXED, "strategy": "submodel-local", "run-name": "local"})
     run_inprocess(config, num_nodes=3)
-    sent, answered = replies_of_train
-    assert [("arrays" in m.content.array_records) for m in sent] == [True] * 3 + [False] * 3  # round 1 only
-    assert all("arrays" not in r.content.array_records for r in answered)
     from safetensors.numpy import load_file
-    folder = Path(config["output-dir"]) / "local" / "client-state" / "partition-1" / "submodel"
+
+    folder = run_dir_of(config) / "client-state" / "partition-1" / "submodel"
     first, second = load_file(str(folder / "round-1.safetensors")), load_file(str(folder / "round-2.safetensors"))
     np.testing.assert_array_equal(first["kept/" + FFN], np.arange(96))
     assert not np.allclose(first[FFN + ".fc1.weight"], second[FFN + ".fc1.weight"])  # round 2 went on from round 1
@@ -194,18 +192,19 @@ def test_fedprox_with_capacities_pulls_only_the_shared_encoder():
 def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_the_received_encoder(tiny, monkeypatch):
     captured = capture(monkeypatch)
     pulls = []  # (site, round, personal model's arrays when its training starts, anchor, λ)
-    original = fedbkd.proximal_term
+    original = submodel.proximal_term
 
     def spy(model, anchor, mu):
         pulls.append((model.get_trainable(), {k: v.cpu().numpy().copy() for k, v in anchor.items()}, mu))
         return original(model, anchor, mu)
 
-    monkeypatch.setattr(fedbkd, "proximal_term", spy)
+    monkeypatch.setattr(submodel, "proximal_term", spy)
     config = tiny(**{**MIXED, "strategy": "ditto", "run-name": "ditto", "ditto-lambda": 0.5})
     summary, _ = run_inprocess(config, num_nodes=3)
     assert "dice" in summary["per_client"]["client-1"] and "accuracy" in summary["per_client"]["client-2"]
     from safetensors.numpy import load_file
-    folder = Path(config["output-dir"]) / "ditto" / "client-state" / "partition-1" / "submodel"
+
+    folder = run_dir_of(config) / "client-state" / "partition-1" / "submodel"
     saved = [load_file(str(folder / f"round-{r}.safetensors")) for r in (1, 2)]
     reply = {rnd: next(r for r in captured[rnd][0] if r.client == "client-1") for rnd in (1, 2)}
     fc1 = FFN + ".fc1.weight"
@@ -216,8 +215,9 @@ def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_
         # what the site sent is its global-model update, not its personal model (which stays home)
         assert not np.allclose(reply[rnd].arrays[fc1], saved[rnd - 1][fc1])
         heads = {k for k in saved[rnd - 1] if k.startswith("global-path/")}
-        assert heads and {k[len("global-path/"):] for k in heads} == {
-            k for k in saved[rnd - 1] if not k.startswith(("backbone.", "kept/", "global-path/"))}
+        assert heads and {k[len("global-path/") :] for k in heads} == {
+            k for k in saved[rnd - 1] if not k.startswith(("backbone.", "kept/", "global-path/"))
+        }
     assert len(pulls) == 6  # one personal update per site and round
     start, anchor, mu = pulls[3 + 1]  # round 2, partition 1 (sites train in partition order in-process)
     assert mu == 0.5
@@ -230,9 +230,107 @@ def test_ditto_with_lambda_zero_still_keeps_a_personal_model(tiny):
     config = tiny(**{**MIXED, "strategy": "ditto", "run-name": "ditto0", "ditto-lambda": 0.0, "num-rounds": 1})
     run_inprocess(config, num_nodes=3)
     from safetensors.numpy import load_file
-    saved = load_file(str(Path(config["output-dir"]) / "ditto0" / "client-state" / "partition-2" / "submodel"
-                          / "round-1.safetensors"))
+
+    saved = load_file(str(run_dir_of(config) / "client-state" / "partition-2" / "submodel" / "round-1.safetensors"))
     assert any(k.startswith("global-path/") for k in saved)  # the personal model beside the global path's head
+
+
+FAMILY = ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "submodel-local", "ditto")
+REMOVED_KEYS = {"selection", "alignment-weight", "eigen", "local-only", "proximal-mu", "ditto-lambda"}
+
+
+def test_each_strategy_of_the_family_has_its_own_client_class_whose_hooks_answer_as_documented(tiny):
+    import torch
+
+    from medflower.strategies import STRATEGIES
+
+    halves = {name: STRATEGIES[name].client_half for name in FAMILY}
+    assert all(STRATEGIES[name].__module__ == "medflower.strategies.submodel" for name in FAMILY)
+    assert len(set(halves.values())) == len(FAMILY)
+    assert all(issubclass(h, submodel.SubModelClient) and h is not submodel.SubModelClient for h in halves.values())
+
+    def half(strategy, **overrides):
+        cfg = ExperimentConfig.from_run_config({**defaults(), **tiny(strategy=strategy, **overrides)})
+        return STRATEGIES[strategy].client_half(SimpleNamespace(cfg=cfg, device=torch.device("cpu")))
+
+    selection = {
+        "heterofl": "prefix",
+        "fedrolex": "rolling",
+        "feddrop": "random",
+        "submodel-fedprox": "prefix",
+        "submodel-local": "prefix",
+        "ditto": "prefix",
+        "fedbkd": "saliency",
+    }
+    assert {name: half(name).selection for name in FAMILY} == selection
+    assert half("fedbkd", **{"fedbkd-variant": "ase-only"}).selection == "saliency"
+    assert half("fedbkd", **{"fedbkd-variant": "fco-only"}).selection == "prefix"
+    assert {name for name in FAMILY if half(name).computes_spread} == {"fedbkd"}  # μ_k: FedBKD's merge weight only
+    assert half("fedbkd", **{"fedbkd-eigen": "top"}).computes_spread
+    assert not half("fedbkd", **{"fedbkd-eigen": "none"}).computes_spread
+    assert not half("fedbkd", **{"fedbkd-variant": "ase-only"}).computes_spread
+    assert half("fedbkd", **{"fedbkd-variant": "fco-only"}).computes_spread
+    assert {name for name in FAMILY if not half(name).sends_update} == {"submodel-local"}
+    assert {name: half(name).task_state for name in FAMILY if half(name).task_state} == {"ditto": "global-path/"}
+
+    class Sub(torch.nn.Module):
+        task = "classification"
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def trainable_parameters(self):
+            return OrderedDict([("backbone.w", self.w)])
+
+        def get_trainable(self):
+            return OrderedDict((k, v.detach().numpy().copy()) for k, v in self.trainable_parameters().items())
+
+    for name in ("heterofl", "fedrolex", "feddrop", "submodel-local", "ditto"):  # the task loss alone
+        sub = Sub()
+        assert half(name).local_loss(sub, Sub()) == (sub, None)
+    sub = Sub()
+    trained, loss = half("fedbkd", **{"fedbkd-lambda": 2.0}).local_loss(sub, Sub())  # λ·(1 − CKA), λ from the site
+    assert isinstance(trained, submodel.FeatureAligned) and trained.sub is sub
+    trained.alignment = torch.tensor(0.25)
+    assert float(loss(None, None, None)) == pytest.approx(2.0 * 0.75)
+    assert half("fedbkd", **{"fedbkd-variant": "ase-only"}).local_loss(sub, Sub()) == (sub, None)
+    assert half("fedbkd", **{"fedbkd-lambda": 0.0}).local_loss(sub, Sub()) == (sub, None)
+    trained, loss = half("fedbkd", **{"fedbkd-variant": "fco-only"}).local_loss(sub, Sub())
+    assert isinstance(trained, submodel.FeatureAligned)
+    trained, loss = half("submodel-fedprox", **{"proximal-mu": 0.5}).local_loss(sub, Sub())  # anchored on arrival
+    with torch.no_grad():
+        sub.w += 1.0
+    assert trained is sub and float(loss(sub, None, None).detach()) == pytest.approx(0.5 * 0.5 * 3)
+    assert half("submodel-fedprox", **{"proximal-mu": 0.0}).local_loss(sub, Sub()) == (sub, None)
+
+
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [
+        ("fedbkd", {"fedbkd-variant": "fco-only", "fedbkd-eigen": "top"}),
+        ("submodel-fedprox", {"proximal-mu": 0.1}),
+        ("submodel-local", {}),
+        ("ditto", {"ditto-lambda": 0.5}),
+    ],
+)
+def test_a_training_message_carries_what_the_server_decides_each_round_not_the_static_settings(
+    tiny, replies_of_train, strategy, extra
+):
+    run_inprocess(tiny(**{**MIXED, "strategy": strategy, "run-name": strategy, "num-rounds": 1, **extra}), num_nodes=3)
+    sent, answered = replies_of_train
+    assert len(sent) == 3 and len(answered) == 3
+    for message in sent:
+        config = dict(message.content["config"])
+        assert not REMOVED_KEYS & set(config), f"{strategy}: {sorted(REMOVED_KEYS & set(config))} in the message"
+        assert config["round"] == 1 and config["num-classes"] == 0 and config["model-classes"] == 0
+    if strategy == "fedbkd":  # the site read fco-only from its run config: prefix neurons, μ_k still sent
+        from medflower.strategies.base import from_record
+
+        for reply in answered:
+            kept = from_record(reply.content["arrays"])["kept/" + FFN]
+            np.testing.assert_array_equal(kept, np.arange(len(kept)))
+            assert "feature-spread" in reply.content["metrics"]
 
 
 @pytest.fixture

@@ -2,28 +2,22 @@
 the β step, k-means++ clusters, the knowledge pool, the protocol in process, faults and resume."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.strategies import fedkei as fk
-from medflower.strategies.base import from_record
+from medflower.strategies import fedkei_bilevel as bl
+from medflower.strategies.base import from_record, unflatten
+from medflower.strategies.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
-
-
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def run_dir_of(config) -> Path:
-    return Path(config["output-dir"]) / config["run-name"]
 
 
 # ----------------------------------------------------------------------------- client math on a real model
@@ -32,12 +26,14 @@ def tiny_problem():
     """A ViT-Tiny + LoRA module in float64, random cluster modules, fixed inner and outer batches."""
     cfg = ExperimentConfig.from_run_config({**defaults(), "img-size": 16, "patch-size": 8, "backbone-weights": "none"})
     model = build_model(cfg.model_spec(), 2).double().train()
-    parts = fk.split_parts(model.trainable_spec())
-    loss_fn = fk.module_loss(model, parts, model.parameter_paths())
+    parts = bl.split_parts(model.trainable_spec())
+    loss_fn = bl.module_loss(model, parts, model.parameter_paths())
     gen = torch.Generator().manual_seed(0)
-    widths = [fk.part_width(spec) for spec in parts.values()]
-    clusters = [0.05 * torch.randn(2, widths[0], generator=gen, dtype=torch.float64),
-                0.3 * torch.randn(3, widths[1], generator=gen, dtype=torch.float64)]
+    widths = [bl.part_width(spec) for spec in parts.values()]
+    clusters = [
+        0.05 * torch.randn(2, widths[0], generator=gen, dtype=torch.float64),
+        0.3 * torch.randn(3, widths[1], generator=gen, dtype=torch.float64),
+    ]
 
     def batch(n):
         return torch.randn(n, 3, 16, 16, generator=gen, dtype=torch.float64), torch.randint(0, 2, (n,), generator=gen)
@@ -48,15 +44,15 @@ def tiny_problem():
 
 
 def outer_loss_at(loss_fn, clusters, inner, outer, eta1):
-    loop = fk.inner_loop(loss_fn, clusters, inner, eta1)
-    return fk.outer_gradient(loss_fn, [a @ c for a, c in zip(loop.alphas, clusters)], outer)[1]
+    loop = bl.inner_loop(loss_fn, clusters, inner, eta1)
+    return bl.outer_gradient(loss_fn, [a @ c for a, c in zip(loop.alphas, clusters)], outer)[1]
 
 
 def test_exact_gradient_equals_central_finite_differences(tiny_problem):
     loss_fn, clusters, inner, outer = tiny_problem
     eta1, eps = 0.5, 1e-6
-    exact, loop, _ = fk.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "exact")
-    first, _, _ = fk.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "first-order")
+    exact, loop, _ = bl.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "exact")
+    first, _, _ = bl.cluster_gradients(loss_fn, clusters, inner, outer, eta1, "first-order")
     assert loop.steps == 3 and not torch.allclose(loop.alphas[0].detach(), torch.full((2,), 0.5, dtype=torch.float64))
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -74,12 +70,12 @@ def test_first_order_equals_the_papers_closed_form_for_one_inner_step(tiny_probl
     """(∇_{θ_c} θ̃)ᵀ g' = (α'_c I − η1 θ_c gᵀ)ᵀ g' = α'_c g' − η1 g (θ_cᵀ g'), per part (Section III-D)."""
     loss_fn, clusters, inner, outer = tiny_problem
     eta1 = 0.5
-    got, _, _ = fk.cluster_gradients(loss_fn, clusters, inner[:1], outer, eta1, "first-order")
+    got, _, _ = bl.cluster_gradients(loss_fn, clusters, inner[:1], outer, eta1, "first-order")
     alpha0 = [torch.full((c.shape[0],), 1.0 / c.shape[0], dtype=torch.float64) for c in clusters]
     theta = [(a @ c).requires_grad_(True) for a, c in zip(alpha0, clusters)]
     g = torch.autograd.grad(loss_fn(theta, inner[0]), theta)
     alpha1 = [a - eta1 * (c @ gp) for a, c, gp in zip(alpha0, clusters, g)]
-    g_out, _ = fk.outer_gradient(loss_fn, [a @ c for a, c in zip(alpha1, clusters)], outer)
+    g_out, _ = bl.outer_gradient(loss_fn, [a @ c for a, c in zip(alpha1, clusters)], outer)
     for part, (a1, c, gp, go) in enumerate(zip(alpha1, clusters, g, g_out)):
         expected = torch.stack([a1[k] * go - eta1 * gp * (c[k] @ go) for k in range(c.shape[0])])
         torch.testing.assert_close(got[part], expected, rtol=1e-10, atol=1e-12)
@@ -88,13 +84,18 @@ def test_first_order_equals_the_papers_closed_form_for_one_inner_step(tiny_probl
 def test_exact_equals_first_order_when_the_loss_is_linear_in_the_module():
     """With a zero Hessian the dropped term vanishes: exact and first-order agree over several inner steps."""
     gen = torch.Generator().manual_seed(0)
-    clusters = [torch.randn(3, 7, generator=gen, dtype=torch.float64), torch.randn(2, 4, generator=gen, dtype=torch.float64)]
-    batches = [(torch.randn(7, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64))
-               for _ in range(4)]
+    clusters = [
+        torch.randn(3, 7, generator=gen, dtype=torch.float64),
+        torch.randn(2, 4, generator=gen, dtype=torch.float64),
+    ]
+    batches = [
+        (torch.randn(7, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64))
+        for _ in range(4)
+    ]
     loss_fn = lambda thetas, b: thetas[0] @ b[0] + thetas[1] @ b[1]  # noqa: E731
-    exact, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "exact")
-    first, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "first-order")
-    direct, _, _ = fk.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "direct")
+    exact, _, _ = bl.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "exact")
+    first, _, _ = bl.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "first-order")
+    direct, _, _ = bl.cluster_gradients(loss_fn, clusters, batches, [(batches[0], 1)], 0.3, "direct")
     for e, f, d in zip(exact, first, direct):
         torch.testing.assert_close(e, f, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(e, d)  # variant C leaves out the inner loop's dependence altogether
@@ -104,65 +105,69 @@ def test_inner_loop_moves_alpha_toward_the_cluster_that_solves_the_task():
     target = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     clusters = [torch.stack([target, torch.tensor([3.0, 1.0, -1.0], dtype=torch.float64)])]
     loss_fn = lambda thetas, _b: ((thetas[0] - target) ** 2).sum()  # noqa: E731
-    loop = fk.inner_loop(loss_fn, clusters, [None] * 20, eta1=0.02)
+    loop = bl.inner_loop(loss_fn, clusters, [None] * 20, eta1=0.02)
     alpha = loop.alphas[0]
     assert alpha[0] > 0.9 and abs(alpha[1]) < 0.1
-    assert loss_fn([alpha @ clusters[0]], None) < 0.05 * loss_fn([torch.tensor([0.5, 0.5], dtype=torch.float64) @ clusters[0]], None)
+    uniform = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert loss_fn([alpha @ clusters[0]], None) < 0.05 * loss_fn([uniform @ clusters[0]], None)
 
 
 # ----------------------------------------------------------------------------- server math
 def test_beta_step_equals_pool_transpose_times_gradients_summed_over_clients():
     rng = np.random.default_rng(0)
     pool = rng.normal(size=(5, 9))  # M = 5 modules of 9 parameters
-    beta = fk.normalised(np.array([[1, 0, 1, 0, 0], [0, 1, 0, 1, 1.0]]))
+    beta = bl.normalised(np.array([[1, 0, 1, 0, 0], [0, 1, 0, 1, 1.0]]))
     grads = [rng.normal(size=(2, 9)) for _ in range(3)]
-    got = fk.beta_step(beta, pool, grads, eta2=0.05)
+    got = bl.beta_step(beta, pool, grads, eta2=0.05)
     theta_matrix = pool.T  # Θ = [θ_1 .. θ_M] as columns, Eq. 9's first factor
     for c in range(2):
         expected = beta[c] - 0.05 * sum(theta_matrix.T @ g[c] for g in grads)
         np.testing.assert_allclose(got[c], expected, rtol=1e-12)
-    np.testing.assert_allclose(fk.cluster_modules(got, pool), got @ pool, rtol=1e-6)
+    np.testing.assert_allclose(bl.cluster_modules(got, pool), got @ pool, rtol=1e-6)
 
 
 def test_k_equal_to_the_pool_size_makes_every_cluster_one_past_module():
     rng = np.random.default_rng(0)
     pool = rng.normal(size=(6, 20)).astype(np.float32)
     for k in (6, 10):  # K = min(K, M)
-        members = fk.kmeans_membership(pool, k, seed=3)
+        members = bl.kmeans_membership(pool, k, seed=3)
         assert members.shape == (6, 6) and (members.sum(axis=1) == 1).all() and (members.sum(axis=0) == 1).all()
-        modules = fk.cluster_modules(fk.normalised(members), pool)
+        modules = bl.cluster_modules(bl.normalised(members), pool)
         assert sorted(map(tuple, modules.round(5))) == sorted(map(tuple, pool.round(5)))
-    np.testing.assert_array_equal(fk.kmeans_membership(pool, 3, seed=3), fk.kmeans_membership(pool, 3, seed=3))
+    np.testing.assert_array_equal(bl.kmeans_membership(pool, 3, seed=3), bl.kmeans_membership(pool, 3, seed=3))
 
 
 def test_kmeans_groups_modules_that_are_alike_and_drops_empty_clusters():
     rng = np.random.default_rng(1)
     centres = rng.normal(size=(3, 12)) * 10
     pool = np.concatenate([c + 0.01 * rng.normal(size=(4, 12)) for c in centres])
-    members = fk.kmeans_membership(pool, 3, seed=0)
+    members = bl.kmeans_membership(pool, 3, seed=0)
     groups = sorted(tuple(np.flatnonzero(row)) for row in members)
     assert groups == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     duplicates = np.repeat(pool[:1], 4, axis=0)
-    assert fk.kmeans_membership(duplicates, 3, seed=0).shape == (1, 4)  # one distinct point: one cluster
-    assert fk.group_membership(["b", "a", "b"]).tolist() == [[0, 1, 0], [1, 0, 1]]
+    assert bl.kmeans_membership(duplicates, 3, seed=0).shape == (1, 4)  # one distinct point: one cluster
+    assert bl.group_membership(["b", "a", "b"]).tolist() == [[0, 1, 0], [1, 0, 1]]
 
 
 def test_pool_files_reload_and_a_missing_file_is_named(tmp_path):
     spec = {"backbone.a.lora_A.weight": ((2, 3), "float32"), "head.weight": ((2, 2), "float32")}
-    pool = fk.KnowledgePool(tmp_path / "pool", spec)
+    pool = KnowledgePool(tmp_path / "pool", spec)
     rng = np.random.default_rng(0)
-    modules = {(t, c): {k: rng.normal(size=s).astype(np.float32) for k, (s, _) in spec.items()}
-               for t in (1, 2) for c in ("site-b", "site-a")}
+    modules = {
+        (t, c): {k: rng.normal(size=s).astype(np.float32) for k, (s, _) in spec.items()}
+        for t in (1, 2)
+        for c in ("site-b", "site-a")
+    }
     for (t, c), arrays in modules.items():
         pool.add(t, c, arrays, 10.0 + t)
     pool.add(2, "site-a", modules[(2, "site-a")], 12.0)  # a redone task replaces its entry
     assert [(e.task, e.client) for e in pool.entries] == [(1, "site-a"), (1, "site-b"), (2, "site-a"), (2, "site-b")]
-    again = fk.KnowledgePool(tmp_path / "pool", spec)
+    again = KnowledgePool(tmp_path / "pool", spec)
     again.restore(pool.index())
     np.testing.assert_array_equal(again.matrix(spec), pool.matrix(spec))
     (tmp_path / "pool" / pool.entries[0].file).unlink()
     with pytest.raises(FileNotFoundError, match="task-001/site-a.safetensors"):
-        fk.KnowledgePool(tmp_path / "pool", spec).restore(pool.index())
+        KnowledgePool(tmp_path / "pool", spec).restore(pool.index())
 
 
 # ----------------------------------------------------------------------------- the protocol, in process
@@ -172,6 +177,18 @@ def messages(grid, action: str, task: int):
 
 def flat(record, part):
     return record[part].numpy()
+
+
+def spy_gradient_settings(monkeypatch) -> list[tuple[float, str]]:
+    """Record the (η1, gradient mode) every site's bi-level phase runs with."""
+    settings, original = [], fk.cluster_gradients
+
+    def spy(loss_fn, clusters, inner_batches, outer_batches, eta1, mode="exact"):
+        settings.append((eta1, mode))
+        return original(loss_fn, clusters, inner_batches, outer_batches, eta1, mode)
+
+    monkeypatch.setattr(fk, "cluster_gradients", spy)
+    return settings
 
 
 def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
@@ -185,13 +202,19 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
         return out
 
     monkeypatch.setattr(fk, "beta_step", spy)
+    settings = spy_gradient_settings(monkeypatch)
     config = tiny(**{**TASKS, "run-name": "full", "num-tasks": 3, "fedkei-k-adapter": 2, "fedkei-k-head": 1})
     summary, grid = run_inprocess(config, num_nodes=3)
     run_dir = run_dir_of(config)
     assert messages(grid, "train.fedkei_inner", 1) == []  # task 1 has no pool yet
     inner2 = messages(grid, "train.fedkei_inner", 2)
-    assert len(inner2) == 3 and all(m.content["config"]["grad"] == "exact" for m in inner2)
-    assert flat(inner2[0].content["arrays"], "adapter").shape[0] == 2 and flat(inner2[0].content["arrays"], "head").shape[0] == 1
+    assert len(inner2) == 3
+    # static settings come from each site's run config; the messages carry only what the server decides
+    assert settings == [(0.05, "exact")] * 6  # tasks 2 and 3, three sites each
+    for message in [*inner2, *messages(grid, "train", 2)]:
+        assert not {"eta1", "grad", "init"} & set(message.content["config"])
+    assert flat(inner2[0].content["arrays"], "adapter").shape[0] == 2
+    assert flat(inner2[0].content["arrays"], "head").shape[0] == 1
     # β step over the three clients' gradients; the fine-tune message carries θ_c(β) of the updated β
     beta_a, pool_a, grads_a, new_a = captured[0]  # task 2, adapters
     assert len(grads_a) == 3 and pool_a.shape[0] == 3
@@ -199,8 +222,8 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
     np.testing.assert_allclose(sent, new_a @ pool_a, rtol=1e-4, atol=1e-6)
     assert not np.allclose(new_a, beta_a)
     # bytes: (3K+1)|θ| per client and task, adapters and heads counted with their own K
-    widths = {p: fk.part_width(spec) for p, spec in fk.split_parts(
-        build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(), 2).trainable_spec()).items()}
+    model = build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(), 2)
+    widths = {p: bl.part_width(spec) for p, spec in bl.split_parts(model.trainable_spec()).items()}
     server = records(run_dir, "server")
     task3 = server[2]
     per_client = (task3["bytes_down"] + task3["bytes_up"]) / 3
@@ -239,46 +262,55 @@ def test_fine_tuning_starts_exactly_from_the_alpha_weighted_cluster_modules(tiny
     monkeypatch.setattr(fk.FedKEIClient, "train", spy_train)
     config = tiny(**{**TASKS, "run-name": "init", "fedkei-k-adapter": 2, "fedkei-k-head": 2})
     run_inprocess(config, num_nodes=2)
-    parts = fk.split_parts(build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(),
-                                       2).trainable_spec())
+    parts = bl.split_parts(
+        build_model(ExperimentConfig.from_run_config({**defaults(), **config}).model_spec(), 2).trainable_spec()
+    )
     task2 = {client: value for (task, client), value in replies.items() if task == 2}
     assert len(task2) == 2
     for start, message, content in task2.values():
-        assert message.content["config"]["init"] == "clusters"
+        assert set(message.content["arrays"]) == {"adapter", "head"}  # cluster modules to start from
         expected = {}
         for part, spec in parts.items():
             alpha = np.array(content["metrics"][f"alpha_{part}"])
             clusters = message.content["arrays"][part].numpy()
             assert alpha.shape == (clusters.shape[0],) and not np.allclose(alpha, 1 / len(alpha))  # α moved
-            expected.update(fk.unflatten(alpha.astype(np.float32) @ clusters, spec))
+            expected.update(unflatten(alpha.astype(np.float32) @ clusters, spec))
         assert list(start) == list(expected)  # every trainable array comes from the clusters
         for name, value in expected.items():
             np.testing.assert_allclose(start[name], value, rtol=1e-5, atol=1e-7)
 
 
+def test_a_site_starts_from_what_the_server_sent_as_its_variant_says():
+    assert fk.start_from("full", sent=False) == fk.start_from("fedavg-init", sent=False) == "fresh"  # task 1
+    assert fk.start_from("fedavg-init", sent=True) == "module"
+    assert {fk.start_from(v, sent=True) for v in ("full", "A", "B", "C")} == {"clusters"}
+
+
 @pytest.mark.parametrize("variant", ["rand", "fedavg-init", "A", "B", "C"])
-def test_variants_send_what_they_say_and_give_the_same_outputs(tiny, variant):
+def test_variants_send_what_they_say_and_give_the_same_outputs(tiny, monkeypatch, variant):
+    settings = spy_gradient_settings(monkeypatch)
     config = tiny(**{**TASKS, "run-name": variant, "fedkei-variant": variant})
     summary, grid = run_inprocess(config, num_nodes=2)
     inner, train = messages(grid, "train.fedkei_inner", 2), messages(grid, "train", 2)
-    init = {m.content["config"]["init"] for m in train}
+    assert not any({"eta1", "grad", "init"} & set(m.content["config"]) for m in [*inner, *train])
     if variant == "rand":
-        assert init == {"fresh"} and not any(m.content.array_records for m in train)
+        assert not any(m.content.array_records for m in train)  # the sites start fresh
     elif variant == "fedavg-init":
-        assert init == {"module"} and len(from_record(train[0].content["arrays"])) == 26  # the whole module
+        assert len(from_record(train[0].content["arrays"])) == 26  # the whole module
     else:
-        assert init == {"clusters"}
+        assert set(train[0].content["arrays"]) == {"adapter", "head"}  # cluster modules
         k = flat(train[0].content["arrays"], "adapter").shape[0]
         assert k == 2  # A: one per client; B and C: K = min(3, M = 2)
     assert len(inner) == (2 if variant == "C" else 0)
     if variant == "C":
-        assert {m.content["config"]["grad"] for m in inner} == {"direct"}
+        assert settings == [(0.05, "direct")] * 2  # variant C's gradient, whatever fedkei-grad says
     assert set(summary["tasks"]) == {"1", "2"} and {"auc", "lca", "auc_init"} <= set(summary["final"])
 
 
 def test_fedavg_init_sends_the_size_weighted_mean_of_the_pool(tiny):
-    config = tiny(**{**TASKS, "run-name": "fa", "fedkei-variant": "fedavg-init", "partition": "dirichlet",
-                              "dirichlet-alpha": 5.0})
+    config = tiny(
+        **{**TASKS, "run-name": "fa", "fedkei-variant": "fedavg-init", "partition": "dirichlet", "dirichlet-alpha": 5.0}
+    )
     _, grid = run_inprocess(config, num_nodes=2)
     pool_dir = run_dir_of(config) / "checkpoint" / "pool"
     state = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]["pool"]
@@ -302,7 +334,9 @@ def test_a_client_that_drops_out_of_the_bilevel_phase_is_left_out_of_the_beta_st
     monkeypatch.setattr(fk, "beta_step", count_and_step)
 
     def drop(node_id, message):
-        return node_id == 2 and message.metadata.message_type == "train.fedkei_inner" and message.metadata.group_id == "2"
+        return (
+            node_id == 2 and message.metadata.message_type == "train.fedkei_inner" and message.metadata.group_id == "2"
+        )
 
     config = tiny(**{**TASKS, "run-name": "drop", "num-tasks": 3})
     summary, grid = run_inprocess(config, num_nodes=3, drop=drop)
@@ -312,11 +346,13 @@ def test_a_client_that_drops_out_of_the_bilevel_phase_is_left_out_of_the_beta_st
     # node 2 still gets task 2's updated cluster modules, the same as the others, and finishes the task
     train2 = {m.metadata.dst_node_id: flat(m.content["arrays"], "adapter") for m in messages(grid, "train", 2)}
     np.testing.assert_array_equal(train2[2], train2[1])
-    assert sorted(r["client"] for r in records(run_dir_of(config), "eval") if r["task"] == 2) == ["site-0", "site-1", "site-2"]
+    finished = sorted(r["client"] for r in records(run_dir_of(config), "eval") if r["task"] == 2)
+    assert finished == ["site-0", "site-1", "site-2"]
     assert 2 in {m.metadata.dst_node_id for m in messages(grid, "train.fedkei_inner", 3)}
 
 
-def test_resume_reloads_the_pool_and_equals_an_uninterrupted_run(tiny):
+def test_a_finished_run_extended_by_a_task_reloads_the_pool_from_disk(tiny):
+    """num-tasks raised on resume (a run killed mid-way, on fresh nodes: tests/test_contract.py)."""
     common = {**TASKS, "fedkei-grad": "first-order"}
     full = tiny(**{**common, "run-name": "full", "num-tasks": 3})
     run_inprocess(full, num_nodes=2)
@@ -324,7 +360,8 @@ def test_resume_reloads_the_pool_and_equals_an_uninterrupted_run(tiny):
     run_inprocess(part, num_nodes=2)
     # the server restarts between tasks: only the run folder on disk carries the pool over
     summary, grid = run_inprocess(tiny(**{**common, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
-    assert summary["rounds"] == 3 and [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
+    assert summary["rounds"] == 3
+    assert [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
     key = lambda d: [(r["task"], r["client"], r["auc_curve"], r["train_loss"]) for r in records(d, "eval")]  # noqa: E731
     assert key(run_dir_of(full)) == key(run_dir_of(part))
     for path in sorted((run_dir_of(full) / "checkpoint" / "pool").glob("task-*/*.safetensors")):
@@ -340,4 +377,5 @@ def test_fraction_train_samples_the_sites_of_each_task(tiny):
     assert [r["pool_size"] for r in server] == [0, 1, 2]  # one module per task joins the pool
     for task in (1, 2, 3):
         assert len(messages(grid, "train", task)) == 1
-    assert set(summary["tasks"]) == {"1", "2", "3"} and all(len(t["per_client"]) == 1 for t in summary["tasks"].values())
+    assert set(summary["tasks"]) == {"1", "2", "3"}
+    assert all(len(t["per_client"]) == 1 for t in summary["tasks"].values())

@@ -11,8 +11,16 @@ import timm
 import torch
 
 from medflower.models import ModelError
-from medflower.models.ffn_slices import (covered_merge, extract_subnetwork, feature_spread, ffn_modules, ffn_saliency,
-                                         kept_count, linear_cka, select_neurons)
+from medflower.models.ffn_slices import (
+    covered_merge,
+    extract_subnetwork,
+    feature_spread,
+    ffn_modules,
+    ffn_saliency,
+    kept_count,
+    linear_cka,
+    select_neurons,
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +87,39 @@ def test_merge_with_full_capacity_everywhere_is_weighted_fedavg(vit):
     kept = [{n: np.arange(768) for n in names}] * 3
     merged = covered_merge(g, parts, kept, [0.2, 0.5, 0.3], names)
     for k in g:
-        np.testing.assert_allclose(merged[k], 0.2 * parts[0][k] + 0.5 * parts[1][k] + 0.3 * parts[2][k], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            merged[k], 0.2 * parts[0][k] + 0.5 * parts[1][k] + 0.3 * parts[2][k], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_merge_averages_each_entry_over_the_clients_that_cover_it_and_leaves_uncovered_entries():
-    g = OrderedDict([("b.mlp.fc1.weight", np.zeros((4, 2), np.float32)), ("b.mlp.fc1.bias", np.full(4, 9.0, np.float32)),
-                     ("b.mlp.fc2.weight", np.zeros((2, 4), np.float32)), ("b.mlp.fc2.bias", np.zeros(2, np.float32))])
+    g = OrderedDict(
+        [
+            ("b.mlp.fc1.weight", np.zeros((4, 2), np.float32)),
+            ("b.mlp.fc1.bias", np.full(4, 9.0, np.float32)),
+            ("b.mlp.fc2.weight", np.zeros((2, 4), np.float32)),
+            ("b.mlp.fc2.bias", np.zeros(2, np.float32)),
+        ]
+    )
     kept = [{"b.mlp": np.array([0, 1])}, {"b.mlp": np.array([1, 2])}]
-    parts = [OrderedDict([("b.mlp.fc1.weight", np.full((2, 2), 1.0, np.float32)), ("b.mlp.fc1.bias", np.array([1.0, 1.0], np.float32)),
-                          ("b.mlp.fc2.weight", np.full((2, 2), 1.0, np.float32)), ("b.mlp.fc2.bias", np.ones(2, np.float32))]),
-             OrderedDict([("b.mlp.fc1.weight", np.full((2, 2), 4.0, np.float32)), ("b.mlp.fc1.bias", np.array([4.0, 4.0], np.float32)),
-                          ("b.mlp.fc2.weight", np.full((2, 2), 4.0, np.float32)), ("b.mlp.fc2.bias", np.full(2, 4.0, np.float32))])]
+    parts = [
+        OrderedDict(
+            [
+                ("b.mlp.fc1.weight", np.full((2, 2), 1.0, np.float32)),
+                ("b.mlp.fc1.bias", np.array([1.0, 1.0], np.float32)),
+                ("b.mlp.fc2.weight", np.full((2, 2), 1.0, np.float32)),
+                ("b.mlp.fc2.bias", np.ones(2, np.float32)),
+            ]
+        ),
+        OrderedDict(
+            [
+                ("b.mlp.fc1.weight", np.full((2, 2), 4.0, np.float32)),
+                ("b.mlp.fc1.bias", np.array([4.0, 4.0], np.float32)),
+                ("b.mlp.fc2.weight", np.full((2, 2), 4.0, np.float32)),
+                ("b.mlp.fc2.bias", np.full(2, 4.0, np.float32)),
+            ]
+        ),
+    ]
     merged = covered_merge(g, parts, kept, [1.0, 3.0], ["b.mlp"])
     np.testing.assert_allclose(merged["b.mlp.fc1.bias"], [1.0, (1 + 12) / 4, 4.0, 9.0])  # neuron 3: nobody, kept 9
     np.testing.assert_allclose(merged["b.mlp.fc1.weight"][:, 0], [1.0, 3.25, 4.0, 0.0])

@@ -13,8 +13,17 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from medflower.models import (ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, AdaptedClassifier, ModelError, ModelSpec,
-                              PretrainedWeightsWarning, build_classifier, resolve_backbone)
+from medflower.models import (
+    ADAPTERS,
+    BACKBONE_ALIASES,
+    WEIGHT_MODES,
+    AdaptedClassifier,
+    ModelError,
+    ModelSpec,
+    PretrainedWeightsWarning,
+    build_classifier,
+    resolve_backbone,
+)
 
 NUM_CLASSES = 4
 VIT = dict(backbone="vit-tiny", img_size=32, patch_size=8, weights="none")
@@ -110,8 +119,10 @@ def test_only_adapters_and_head_train(config):
         assert all(n.startswith("backbone.") for n in backbone_names)
 
     # forward order: block indices non-decreasing
-    depths = [tuple(int(part.removeprefix("layer")) for part in n.split(".") if re.fullmatch(r"(layer)?\d+", part))
-              for n in backbone_names]
+    depths = [
+        tuple(int(part.removeprefix("layer")) for part in n.split(".") if re.fullmatch(r"(layer)?\d+", part))
+        for n in backbone_names
+    ]
     assert depths == sorted(depths)
 
     # requires_grad matches the trainable names exactly
@@ -213,10 +224,12 @@ def test_same_seed_bit_identical_different_seed_differs():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert list(sa) == list(sb)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["backbone.blocks.0.attn.qkv.base_layer.weight"],
-                           sc["backbone.blocks.0.attn.qkv.base_layer.weight"])
-    assert not torch.equal(sa["backbone.blocks.0.attn.qkv.lora_A.default.weight"],
-                           sc["backbone.blocks.0.attn.qkv.lora_A.default.weight"])
+    assert not torch.equal(
+        sa["backbone.blocks.0.attn.qkv.base_layer.weight"], sc["backbone.blocks.0.attn.qkv.base_layer.weight"]
+    )
+    assert not torch.equal(
+        sa["backbone.blocks.0.attn.qkv.lora_A.default.weight"], sc["backbone.blocks.0.attn.qkv.lora_A.default.weight"]
+    )
     assert not torch.equal(sa["head.weight"], sc["head.weight"])
 
 
@@ -261,8 +274,11 @@ def test_bottleneck_hooks_survive_deepcopy():
 
 
 def test_bottleneck_on_resnet_is_rejected():
-    with pytest.raises(ModelError, match=r"adapter 'bottleneck' needs a transformer backbone with \.attn/\.mlp "
-                                         r"blocks \(got resnet18\); use lora or ia3"):
+    with pytest.raises(
+        ModelError,
+        match=r"adapter 'bottleneck' needs a transformer backbone with \.attn/\.mlp "
+        r"blocks \(got resnet18\); use lora or ia3",
+    ):
         build(**dict(RESNET, adapter="bottleneck"))
 
 
@@ -272,8 +288,9 @@ def test_bottleneck_on_resnet_is_rejected():
 @pytest.mark.parametrize("config", ["vit-lora", "resnet-ia3"])
 def test_training_step_decreases_loss_and_keeps_backbone_frozen(config):
     model = build(**CONFIGS[config])
-    frozen_before = {k: v.clone() for k, v in model.state_dict().items()
-                     if k.replace(".default", "") not in model.trainable_names()}
+    frozen_before = {
+        k: v.clone() for k, v in model.state_dict().items() if k.replace(".default", "") not in model.trainable_names()
+    }
     x, y = images(8, seed=5), torch.arange(8) % NUM_CLASSES
     optimizer = torch.optim.Adam(model.trainable_parameters().values(), lr=1e-2)
     model.train()
@@ -380,8 +397,10 @@ def test_config_errors_are_model_errors():
 def test_custom_targets_override_defaults():
     model = build(**dict(VIT, adapter="lora", adapter_targets=("attn.proj", "fc1")))
     backbone_names = model.trainable_names()[:-2]
-    assert backbone_names[:4] == ["backbone.blocks.0.attn.proj.lora_A.weight",
-                                  "backbone.blocks.0.attn.proj.lora_B.weight",
-                                  "backbone.blocks.0.mlp.fc1.lora_A.weight",
-                                  "backbone.blocks.0.mlp.fc1.lora_B.weight"]
+    assert backbone_names[:4] == [
+        "backbone.blocks.0.attn.proj.lora_A.weight",
+        "backbone.blocks.0.attn.proj.lora_B.weight",
+        "backbone.blocks.0.mlp.fc1.lora_A.weight",
+        "backbone.blocks.0.mlp.fc1.lora_B.weight",
+    ]
     assert not any("qkv" in n for n in backbone_names)

@@ -31,8 +31,11 @@ def site_predictions(seed: int, balance: list[float], hit: float, n: int) -> tup
 
 
 # A small balanced site that predicts well, a large class-0 site that predicts badly, a class-2 site in between.
-SITES = [site_predictions(0, [1 / 3, 1 / 3, 1 / 3], 0.95, 60), site_predictions(1, [0.9, 0.05, 0.05], 0.2, 400),
-         site_predictions(2, [0.1, 0.1, 0.8], 0.6, 100)]
+SITES = [
+    site_predictions(0, [1 / 3, 1 / 3, 1 / 3], 0.95, 60),
+    site_predictions(1, [0.9, 0.05, 0.05], 0.2, 400),
+    site_predictions(2, [0.1, 0.1, 0.8], 0.6, 100),
+]
 
 
 def reply(i: int, metrics: dict) -> Reply:
@@ -40,8 +43,11 @@ def reply(i: int, metrics: dict) -> Reply:
 
 
 def site_metrics(y: np.ndarray, pred: np.ndarray) -> dict:
-    return {"balanced_accuracy": balanced_accuracy_score(y, pred), "n": float(len(y)),
-            CONFUSION: confusion_counts(y, pred, C)}
+    return {
+        "balanced_accuracy": balanced_accuracy_score(y, pred),
+        "n": float(len(y)),
+        CONFUSION: confusion_counts(y, pred, C),
+    }
 
 
 @pytest.fixture
@@ -65,22 +71,27 @@ def test_the_pooled_balanced_accuracy_is_sklearns_on_the_concatenated_prediction
     assert [r["client"] for r in logged] == ["site-0", "site-1", "site-2"] and all(CONFUSION in r for r in logged)
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (list(range(C * C - 1)), "15 confusion counts, expected 4×4 = 16"),
-    ([-1] + [0] * (C * C - 1), "non-negative finite integers"),
-    ([math.nan] + [0.0] * (C * C - 1), "non-negative finite integers"),
-    ([math.inf] + [0.0] * (C * C - 1), "non-negative finite integers"),
-    ([0.5] + [0.0] * (C * C - 1), "non-negative finite integers"),
-    ([1e300] + [0.0] * (C * C - 1), "non-negative finite integers"),
-    (7.0, "a float, not a list"),
-    (["7"] * (C * C), "not numbers"),
-    ([1] * (C * C), "add up to 16, but the site reports n = 60.0"),
-], ids=["length", "negative", "nan", "inf", "fraction", "huge", "scalar", "text", "total"])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (list(range(C * C - 1)), "15 confusion counts, expected 4×4 = 16"),
+        ([-1] + [0] * (C * C - 1), "non-negative finite integers"),
+        ([math.nan] + [0.0] * (C * C - 1), "non-negative finite integers"),
+        ([math.inf] + [0.0] * (C * C - 1), "non-negative finite integers"),
+        ([0.5] + [0.0] * (C * C - 1), "non-negative finite integers"),
+        ([1e300] + [0.0] * (C * C - 1), "non-negative finite integers"),
+        (7.0, "a float, not a list"),
+        (["7"] * (C * C), "not numbers"),
+        ([1] * (C * C), "add up to 16, but the site reports n = 60.0"),
+    ],
+    ids=["length", "negative", "nan", "inf", "fraction", "huge", "scalar", "text", "total"],
+)
 @pytest.mark.filterwarnings("ignore:y_pred contains classes not in y_true")
 def test_malformed_counts_are_left_out_with_their_reason_and_the_round_goes_on(strategy, bad, reason):
     good = [site_metrics(*SITES[1]), site_metrics(*SITES[2])]
-    strategy.record_evaluation(1, [reply(0, {**site_metrics(*SITES[0]), CONFUSION: bad}),
-                                   reply(1, good[0]), reply(2, good[1])])
+    strategy.record_evaluation(
+        1, [reply(0, {**site_metrics(*SITES[0]), CONFUSION: bad}), reply(1, good[0]), reply(2, good[1])]
+    )
     assert len(strategy.stats.rejected) == 1 and strategy.stats.rejected[0].startswith("site-0: ")
     assert reason in strategy.stats.rejected[0]
     expected = pooled_metrics(sum(np.reshape(m[CONFUSION], (C, C)) for m in good))
@@ -101,12 +112,25 @@ def pooled_from_records(evals: list[dict], classes: int = 8) -> dict:
 
 
 def test_a_run_and_its_experiment_table_report_the_pooled_balanced_accuracy(tmp_path):
-    base = {"synthetic-size": 160, "img-size": 16, "patch-size": 8, "backbone-weights": "none", "num-rounds": 2,
-            "partition": "dirichlet", "dirichlet-alpha": 0.5}
-    plan = {"name": "pooled", "num-supernodes": 3, "seeds": [0], "per-client": True,
-            "metrics": ["pooled_balanced_accuracy", "balanced_accuracy"],
-            "targets": {"metric": "pooled_balanced_accuracy", "values": [0.0, 1.01]}, "base": base,
-            "runs": [{"name": "fedavg", "strategy": "fedavg"}]}
+    base = {
+        "synthetic-size": 160,
+        "img-size": 16,
+        "patch-size": 8,
+        "backbone-weights": "none",
+        "num-rounds": 2,
+        "partition": "dirichlet",
+        "dirichlet-alpha": 0.5,
+    }
+    plan = {
+        "name": "pooled",
+        "num-supernodes": 3,
+        "seeds": [0],
+        "per-client": True,
+        "metrics": ["pooled_balanced_accuracy", "balanced_accuracy"],
+        "targets": {"metric": "pooled_balanced_accuracy", "values": [0.0, 1.01]},
+        "base": base,
+        "runs": [{"name": "fedavg", "strategy": "fedavg"}],
+    }
     path = tmp_path / "pooled.yaml"
     path.write_text(json.dumps(plan))  # JSON is YAML
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
@@ -116,7 +140,9 @@ def test_a_run_and_its_experiment_table_report_the_pooled_balanced_accuracy(tmp_
     evals = [r for r in records if r["kind"] == "eval"]
     for r in evals:  # each site's counts are its own predictions: they give its own (balanced) accuracy
         own = pooled_from_records([r])
-        assert own["pooled_n"] == r["n"] and len(r[CONFUSION]) == 8 * 8 and all(isinstance(v, int) for v in r[CONFUSION])
+        assert (
+            own["pooled_n"] == r["n"] and len(r[CONFUSION]) == 8 * 8 and all(isinstance(v, int) for v in r[CONFUSION])
+        )
         assert own["pooled_balanced_accuracy"] == pytest.approx(r["balanced_accuracy"], abs=1e-12)
         assert own["pooled_accuracy"] == pytest.approx(r["accuracy"], abs=1e-12)
     server = [r for r in records if r["kind"] == "server"]
@@ -161,6 +187,8 @@ def test_bad_counts_from_sites_do_not_stop_a_run(tiny, monkeypatch):
     assert len(server) == 1 and server[0]["num_rejected"] == 3 and server[0]["pooled_sites"] == 1
     assert any("63 confusion counts" in r for r in server[0]["rejected"])
     honest = [r for r in records if r["kind"] == "eval" and CONFUSION in r]
-    assert len(honest) == 1 and summary["final"]["pooled_balanced_accuracy"] == pooled_from_records(honest)[
-        "pooled_balanced_accuracy"]
+    assert (
+        len(honest) == 1
+        and summary["final"]["pooled_balanced_accuracy"] == pooled_from_records(honest)["pooled_balanced_accuracy"]
+    )
     assert summary["communication"]["rejected_replies"] == 3 and len(summary["per_client"]) == 4

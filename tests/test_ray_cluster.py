@@ -23,17 +23,24 @@ if shutil.which("ray") is None or shutil.which("flower-superlink") is None:  # p
 
 def start_ray(args: list[str], log: Path, env: dict) -> subprocess.Popen:
     # --block keeps `ray start` in the foreground, so the node's processes stay in our process group.
-    return subprocess.Popen(["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                             "--num-cpus=1", *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--num-cpus=1", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
     port = free_port()
     temp_dir = Path("/tmp") / f"mfray{port}"  # Ray needs a short path for its sockets
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = start_ray(["--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false"],
-                     tmp_path / "ray-head.log", env)
+    head = start_ray(
+        ["--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false"],
+        tmp_path / "ray-head.log",
+        env,
+    )
     worker = None
     try:
         wait_for_port(port, timeout=120)
@@ -46,17 +53,33 @@ def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
             time.sleep(2)
         assert status.stdout.count("node_") >= 2, status.stdout + status.stderr
         out = tmp_path / "outputs"
-        with LoopbackFederation(num_supernodes=2, simulation=True, workdir=tmp_path / "fed",
-                                extra_env={"RAY_ADDRESS": f"127.0.0.1:{port}"},
-                                federation_config={"client-resources-num-cpus": 1}) as fed:
-            proc = fed.run_app({"synthetic-size": 240, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
-                         "num-rounds": 1, "partition": "iid", "output-dir": str(out), "run-name": "ray"})
+        with LoopbackFederation(
+            num_supernodes=2,
+            simulation=True,
+            workdir=tmp_path / "fed",
+            extra_env={"RAY_ADDRESS": f"127.0.0.1:{port}"},
+            federation_config={"client-resources-num-cpus": 1},
+        ) as fed:
+            proc = fed.run_app(
+                {
+                    "synthetic-size": 240,
+                    "img-size": 16,
+                    "patch-size": 8,
+                    "backbone-weights": "none",
+                    "num-rounds": 1,
+                    "partition": "iid",
+                    "output-dir": str(out),
+                    "run-name": "ray",
+                }
+            )
         assert (out / "ray" / "summary.json").is_file(), proc.stdout[-3000:]
         summary = json.loads((out / "ray" / "summary.json").read_text())
         assert summary["rounds"] == 1 and len(summary["per_client"]) == 2
         # The ClientApp actors ran in our cluster (their logs are in its session folder).
         logs = list(temp_dir.glob("session_*/logs/*"))
-        assert any("ClientAppActor" in p.read_text(errors="ignore") for p in logs if p.is_file() and p.stat().st_size < 5e6)
+        assert any(
+            "ClientAppActor" in p.read_text(errors="ignore") for p in logs if p.is_file() and p.stat().st_size < 5e6
+        )
     finally:
         for proc in (worker, head):
             stop_process_group(proc)

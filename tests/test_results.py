@@ -3,10 +3,10 @@
 import json
 import math
 
-from medflower.results import RunRecorder, summary_markdown
-from medflower.training import auc_score, classification_metrics
-
 import numpy as np
+
+from medflower.results import RunRecorder, RunReport, summary_markdown
+from medflower.training import auc_score, classification_metrics
 
 
 def test_summary_uses_each_clients_last_evaluation(tmp_path):
@@ -24,6 +24,40 @@ def test_summary_uses_each_clients_last_evaluation(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     assert "| **mean** | 0.8500" in summary_markdown(summary)
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+def test_a_strategys_report_lays_out_summary_md_and_curves_png(tmp_path):
+    """The recorder asks the strategy's report (FederatedStrategy.report) for the title, the method's sections,
+    the per-client columns and the plot; summary.json does not depend on it."""
+    plotted = []
+
+    class Report(RunReport):
+        unit = "tasks"
+
+        def title(self, summary):
+            return f"{summary['strategy']} (variant X)"
+
+        def sections(self, summary):
+            return ["method table", ""]
+
+        def columns(self, summary):
+            return ["lca"]
+
+        def plot(self, evals, path, title):
+            plotted.append((len(evals), path.name, title))
+
+    rec = RunRecorder(tmp_path / "run")
+    rec.log_client(1, "a", "eval", {"auc": 0.6, "lca": 0.5})
+    rec.log_server(1, bytes_up=10, bytes_down=20, num_failed=0, num_rejected=0)
+    summary = rec.finish("fedkei", "synthetic", 1.0, report=Report())
+    markdown = (tmp_path / "run" / "summary.md").read_text()
+    assert markdown.startswith(
+        "# fedkei (variant X) on synthetic\n\n1 tasks, 1.0 s.\n\nmethod table\n\n| client | lca |"
+    )
+    assert plotted == [(1, "curves.png", "fedkei (variant X) on synthetic")]
+    assert not (tmp_path / "run" / "curves.png").exists()
+    assert summary == RunRecorder(tmp_path / "run").summary("fedkei", "synthetic", 1.0)
+    assert summary_markdown(summary).startswith("# fedkei on synthetic\n\n1 rounds")  # the default report
 
 
 def test_truncate_after_drops_later_rounds_and_nan_is_null(tmp_path):

@@ -98,8 +98,9 @@ def test_synthetic_seg_sites_differ_in_style_not_geometry():
 
 
 def test_seg_loader_shapes_and_nearest_resize():
-    client = load_client_data(DataSpec(dataset="synthetic-seg", synthetic_size=240, partition="iid",
-                                       img_size=80), 0, 2)  # rendered at 64, resized to 80 in the batch
+    client = load_client_data(
+        DataSpec(dataset="synthetic-seg", synthetic_size=240, partition="iid", img_size=80), 0, 2
+    )  # rendered at 64, resized to 80 in the batch
     assert client.train[0][1].shape == (64, 64)
     x, y = next(iter(make_loader(client.train, batch_size=8, shuffle=True, seed=0)))
     assert x.shape == (8, 3, 80, 80) and x.dtype == torch.float32
@@ -150,8 +151,7 @@ def test_segfolder_round_trip_natural_sites(tmp_path):
 def test_segfolder_binary_masks_pairing_and_single_site(tmp_path):
     site = tmp_path / "polyp-site"
     for i in range(6):
-        write_pair(site, f"img{i}", square_mask(255), image_ext=".jpg",
-                   mask_name=f"img{i}_mask.png" if i % 2 else None)
+        write_pair(site, f"img{i}", square_mask(255), image_ext=".jpg", mask_name=f"img{i}_mask.png" if i % 2 else None)
     write_pair(site, "empty", np.zeros((20, 20), np.uint8))
     spec = DataSpec(dataset=f"segfolder:{site}", partition="natural", img_size=20, test_fraction=0.3)
     assert describe_source(spec) == (1, ["foreground"])
@@ -174,8 +174,11 @@ def test_segfolder_unpaired_files_are_listed(tmp_path):
     write_pair(site, "ok", square_mask())
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(site / "images" / "lonely.png")
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(site / "masks" / "stray.png")
-    with pytest.raises(DataError, match=r"site-x: unpaired files \(1 image\(s\) without a mask in masks/: "
-                                        r"lonely.png; 1 mask\(s\) without an image in images/: stray.png\)"):
+    with pytest.raises(
+        DataError,
+        match=r"site-x: unpaired files \(1 image\(s\) without a mask in masks/: "
+        r"lonely.png; 1 mask\(s\) without an image in images/: stray.png\)",
+    ):
         describe_source(DataSpec(dataset=f"segfolder:{tmp_path / 'root'}"))
 
 

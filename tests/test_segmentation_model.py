@@ -6,10 +6,17 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from medflower.models import (AdaptedSegmenter, Bottleneck, ModelError, ModelSpec, adapter_modules, build_model,
-                              lowest_adapter_names)
+from medflower.models import (
+    AdaptedSegmenter,
+    Bottleneck,
+    ModelError,
+    ModelSpec,
+    adapter_modules,
+    build_model,
+    lowest_adapter_names,
+)
 from medflower.training import bce_dice_loss, dice_iou_per_image, evaluate, one_hot_masks, segmentation_metrics
-from medflower.training.loops import train_epochs, OptimizerSpec
+from medflower.training.loops import OptimizerSpec, train_epochs
 
 SEG = dict(img_size=32, patch_size=8, weights="none", task="segmentation")
 
@@ -44,21 +51,23 @@ def test_segmenter_build_is_deterministic_and_arrays_round_trip():
 
 def test_segmentation_needs_a_vit_or_swin_encoder():
     with pytest.raises(ModelError, match="ViT or Swin encoder"):
-        build_model(ModelSpec(backbone="resnet18", adapter="lora", img_size=32, weights="none",
-                              task="segmentation"), 1)
+        build_model(ModelSpec(backbone="resnet18", adapter="lora", img_size=32, weights="none", task="segmentation"), 1)
     with pytest.raises(ModelError, match="task"):
         ModelSpec(task="detection")
 
 
-@pytest.mark.parametrize("adapter, unit", [("bottleneck", Bottleneck), ("lora", BaseTunerLayer), ("ia3", BaseTunerLayer)])
+@pytest.mark.parametrize(
+    "adapter, unit", [("bottleneck", Bottleneck), ("lora", BaseTunerLayer), ("ia3", BaseTunerLayer)]
+)
 def test_grouping_by_name_matches_the_adapter_modules(adapter, unit):
     """LAT selects adapters by name; the groups must be exactly the parameters of each adapter module."""
     model = build_model(ModelSpec(adapter=adapter, **SEG), 1)
     by_module = {}
     for mod_name, module in model.named_modules():
         if isinstance(module, unit):
-            params = {f"{mod_name}.{n}".replace(".default", "") for n, p in module.named_parameters()
-                      if p.requires_grad}
+            params = {
+                f"{mod_name}.{n}".replace(".default", "") for n, p in module.named_parameters() if p.requires_grad
+            }
             if params:
                 by_module[mod_name] = params
     groups = adapter_modules(model.trainable_names())
@@ -71,16 +80,22 @@ def test_grouping_by_name_matches_the_adapter_modules(adapter, unit):
 def test_dice_and_iou_per_image():
     pred = np.zeros((3, 1, 4, 4), bool)
     target = np.zeros((3, 1, 4, 4), bool)
-    pred[0, 0, 0, :2] = True          # 2 predicted pixels
-    target[0, 0, 0, 1:4] = True       # 3 true pixels, 1 shared
+    pred[0, 0, 0, :2] = True  # 2 predicted pixels
+    target[0, 0, 0, 1:4] = True  # 3 true pixels, 1 shared
     pred[1, 0] = target[1, 0] = True  # perfect
     # image 2: empty prediction and empty target
     dice, iou = dice_iou_per_image(pred, target)
     np.testing.assert_allclose(dice[:, 0], [2 * 1 / 5, 1.0, 1.0])
     np.testing.assert_allclose(iou[:, 0], [1 / 4, 1.0, 1.0])
     metrics = segmentation_metrics(np.array([[0.5, 1.0]]), np.array([[0.25, 1.0]]), ["disc", "optic cup"])
-    assert metrics == {"dice": 0.75, "iou": 0.625, "dice_disc": 0.5, "iou_disc": 0.25, "dice_optic_cup": 1.0,
-                       "iou_optic_cup": 1.0}
+    assert metrics == {
+        "dice": 0.75,
+        "iou": 0.625,
+        "dice_disc": 0.5,
+        "iou_disc": 0.25,
+        "dice_optic_cup": 1.0,
+        "iou_optic_cup": 1.0,
+    }
 
 
 def test_bce_dice_loss_is_small_for_a_confident_right_answer_and_has_gradients():
@@ -150,7 +165,6 @@ def test_segmenter_learns_a_fixed_mask():
     masks = torch.zeros(8, 32, 32, dtype=torch.int64)
     masks[:, 8:24, 8:24] = 1
     before = evaluate(model, [(x, masks)], torch.device("cpu"))["dice"]
-    train_epochs(model, [(x, masks)] * 30, epochs=1, optimizer=OptimizerSpec("adamw", 3e-3),
-                 device=torch.device("cpu"))
+    train_epochs(model, [(x, masks)] * 30, epochs=1, optimizer=OptimizerSpec("adamw", 3e-3), device=torch.device("cpu"))
     after = evaluate(model, [(x, masks)], torch.device("cpu"))
     assert after["dice"] > max(before, 0.8), (before, after)

@@ -1,12 +1,11 @@
 """SGCA (FedSCA) and LAT: the aggregation QP, LAT name selection, the client's cosine pull, the protocol."""
 
-import json
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import records, run_dir_of
 from scipy.spatial.distance import cdist
 
 from medflower.config import ConfigError, ExperimentConfig
@@ -14,16 +13,14 @@ from medflower.inprocess import run_inprocess
 from medflower.models import lowest_adapter_names
 from medflower.strategies import sgca as sgca_module
 from medflower.strategies.base import Checkpointer
-from medflower.strategies.sgca import (adapter_distances, cosine_pull, project_rows_onto_simplex, sgca_weights,
-                                       sgca_weights_closed_form, sgca_weights_cvxpy)
-
-
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def run_dir_of(config) -> Path:
-    return Path(config["output-dir"]) / config["run-name"]
+from medflower.strategies.sgca import (
+    adapter_distances,
+    cosine_pull,
+    project_rows_onto_simplex,
+    sgca_weights,
+    sgca_weights_closed_form,
+    sgca_weights_cvxpy,
+)
 
 
 def assert_on_simplex(w):
@@ -37,7 +34,12 @@ def instances():
     for n in (1, 2, 10, 100):
         yield f"random-{n}", rng.dirichlet(np.ones(n)), adapter_distances(rng.normal(size=(n, 40))), 0.8
     base = rng.normal(size=(1, 30))
-    yield "ties", np.full(6, 1 / 6), adapter_distances(np.repeat(base, 6, axis=0) + np.repeat(rng.normal(size=(3, 30)), 2, axis=0)), 0.8
+    yield (
+        "ties",
+        np.full(6, 1 / 6),
+        adapter_distances(np.repeat(base, 6, axis=0) + np.repeat(rng.normal(size=(3, 30)), 2, axis=0)),
+        0.8,
+    )
     yield "zero-distances", np.full(5, 0.2), adapter_distances(np.repeat(base, 5, axis=0)), 0.8
     skew = np.array([0.96, 0.01, 0.01, 0.01, 0.01])
     yield "skewed-sizes", skew, adapter_distances(rng.normal(size=(5, 20))), 0.8
@@ -97,7 +99,9 @@ def test_similarities_enter_negated():
     d = adapter_distances(x, "cosine")
     np.testing.assert_allclose(d, -cos / np.abs(cos).max(axis=1, keepdims=True), atol=1e-6)
     inner = x @ x.T
-    np.testing.assert_allclose(adapter_distances(x, "inner"), -inner / np.abs(inner).max(axis=1, keepdims=True), atol=1e-5)
+    np.testing.assert_allclose(
+        adapter_distances(x, "inner"), -inner / np.abs(inner).max(axis=1, keepdims=True), atol=1e-5
+    )
     with pytest.raises(ValueError, match="sgca-metric"):
         adapter_distances(x, "manhattan")
 
@@ -130,8 +134,9 @@ def test_a_site_far_from_everyone_keeps_more_of_itself_with_the_median_scale():
 def test_alike_site_gets_more_weight_than_the_different_one(metric):
     rng = np.random.default_rng(5)
     shared, other = rng.normal(size=64), rng.normal(size=64)
-    thetas = np.stack([shared + 0.05 * rng.normal(size=64), shared + 0.05 * rng.normal(size=64),
-                       other + 0.05 * rng.normal(size=64)])
+    thetas = np.stack(
+        [shared + 0.05 * rng.normal(size=64), shared + 0.05 * rng.normal(size=64), other + 0.05 * rng.normal(size=64)]
+    )
     w = sgca_weights(np.full(3, 1 / 3), adapter_distances(thetas, metric), 0.8, "closed-form")
     assert w[0, 1] > w[0, 2] and w[1, 0] > w[1, 2]
     assert w[2, 2] > w[2, 0] and w[2, 2] > w[2, 1]
@@ -139,15 +144,26 @@ def test_alike_site_gets_more_weight_than_the_different_one(metric):
 
 # ----------------------------------------------------------------------------- LAT and the cosine pull
 def test_lat_picks_the_lowest_adapter_modules():
-    names = ["backbone.blocks.1.adapter_attn.down.weight", "backbone.blocks.0.adapter_mlp.up.weight",
-             "backbone.blocks.0.adapter_attn.down.weight", "backbone.blocks.0.adapter_attn.up.bias",
-             "backbone.blocks.10.adapter_attn.down.weight", "decoder.out.weight"]
-    assert lowest_adapter_names(names, 1) == ["backbone.blocks.0.adapter_attn.down.weight",
-                                              "backbone.blocks.0.adapter_attn.up.bias"]
+    names = [
+        "backbone.blocks.1.adapter_attn.down.weight",
+        "backbone.blocks.0.adapter_mlp.up.weight",
+        "backbone.blocks.0.adapter_attn.down.weight",
+        "backbone.blocks.0.adapter_attn.up.bias",
+        "backbone.blocks.10.adapter_attn.down.weight",
+        "decoder.out.weight",
+    ]
+    assert lowest_adapter_names(names, 1) == [
+        "backbone.blocks.0.adapter_attn.down.weight",
+        "backbone.blocks.0.adapter_attn.up.bias",
+    ]
     assert lowest_adapter_names(names, 2) == names[1:4]
     assert lowest_adapter_names(names, "all") == names[:5]
-    lora = ["backbone.blocks.0.attn.qkv.lora_A.weight", "backbone.blocks.0.attn.qkv.lora_B.weight",
-            "backbone.blocks.1.attn.qkv.lora_A.weight", "head.weight"]
+    lora = [
+        "backbone.blocks.0.attn.qkv.lora_A.weight",
+        "backbone.blocks.0.attn.qkv.lora_B.weight",
+        "backbone.blocks.1.attn.qkv.lora_A.weight",
+        "head.weight",
+    ]
     assert lowest_adapter_names(lora, 1) == lora[:2]
     with pytest.raises(ValueError, match="no adapter parameters"):
         lowest_adapter_names(["head.weight", "head.bias"], 1)
@@ -190,13 +206,16 @@ def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny, monkeypatch, sc
 
     def spy(self, message):
         content = original(self, message)
-        sent_up[(self.rt.round, self.rt.client)] = np.concatenate([a.numpy().ravel() for a in content["arrays"].values()])
+        sent_up[(self.rt.round, self.rt.client)] = np.concatenate(
+            [a.numpy().ravel() for a in content["arrays"].values()]
+        )
         sizes[(self.rt.round, self.rt.client)] = content["metrics"]["num-examples"]
         return content
 
     monkeypatch.setattr(sgca_module.SGCAClient, "train", spy)
-    config = tiny(strategy="sgca", adapter="bottleneck", **{"run-name": "sg", "num-rounds": 2,
-                                                            "sgca-distance-scale": scale})
+    config = tiny(
+        strategy="sgca", adapter="bottleneck", **{"run-name": "sg", "num-rounds": 2, "sgca-distance-scale": scale}
+    )
     summary, grid = run_inprocess(config, num_nodes=3)
     server = records(run_dir_of(config), "server")
     for rnd, r in enumerate(server, 1):
@@ -228,8 +247,9 @@ def site_of(grid, node_id: int) -> str:
 
 def test_lat_layers_all_sends_every_adapter_and_lat_uses_fedavg_weights(tiny):
     one = tiny(strategy="lat", **{"run-name": "lat1", "num-rounds": 1})
-    allc = tiny(strategy="sgca", **{"run-name": "all", "num-rounds": 1, "lat-layers": "all",
-                                    "sgca-solver": "closed-form"})
+    allc = tiny(
+        strategy="sgca", **{"run-name": "all", "num-rounds": 1, "lat-layers": "all", "sgca-solver": "closed-form"}
+    )
     s1, g1 = run_inprocess(one, num_nodes=2)
     s2, g2 = run_inprocess(allc, num_nodes=2)
     up1, up2 = s1["communication"]["bytes_up"], s2["communication"]["bytes_up"]
@@ -239,7 +259,7 @@ def test_lat_layers_all_sends_every_adapter_and_lat_uses_fedavg_weights(tiny):
     sizes = [r["num-examples"] for r in records(run_dir_of(one), "train")]
     np.testing.assert_allclose(w[0], np.array(sizes) / sum(sizes), atol=1e-7)
     sent = [m.content["arrays"] for m in g2.sent if m.metadata.message_type == "train"]
-    assert not any(k.startswith("head.") for k in sent[0].keys())
+    assert not any(k.startswith("head.") for k in sent[0])
 
 
 def test_bad_adapters_are_left_out_of_w(tiny, monkeypatch):
@@ -258,15 +278,11 @@ def test_bad_adapters_are_left_out_of_w(tiny, monkeypatch):
 
     monkeypatch.setattr(sgca_module.SGCAClient, "train", poisoned)
     config = tiny(strategy="sgca", **{"run-name": "bad", "num-rounds": 2})
-    run_inprocess(config, num_nodes=3)
-    server = records(run_dir_of(config), "server")
-    assert [r["num_rejected"] for r in server] == [1, 1]
-    assert "NaN/Inf" in server[0]["rejected"][0] and "shape" in server[1]["rejected"][0]
-    for r in server:
+    run_inprocess(config, num_nodes=3)  # that they are rejected, logged and not aggregated: tests/test_contract.py
+    for r in records(run_dir_of(config), "server"):
         assert r["sgca_clients"] == ["site-0", "site-2"] and np.array(r["sgca_W"]).shape == (2, 2)
-    arrays, meta = Checkpointer(run_dir_of(config) / "checkpoint").load()
+    _, meta = Checkpointer(run_dir_of(config) / "checkpoint").load()
     assert meta["strategy_meta"]["clients"] == ["site-0", "site-2"]  # site-1 keeps the initial adapters
-    assert all(np.isfinite(v).all() for v in arrays.values())
 
 
 def test_a_single_participant_gets_w_one(tiny):
@@ -285,33 +301,18 @@ def test_beta_pulls_the_trained_adapters_toward_the_aggregate(tiny, monkeypatch)
         content = original(self, message)
         got = np.concatenate([a.numpy().ravel() for a in message.content["arrays"].values()])
         sent = np.concatenate([a.numpy().ravel() for a in content["arrays"].values()])
-        cosines.setdefault(self.rt.config["sgca-beta"], []).append(
-            float(got @ sent / np.linalg.norm(got) / np.linalg.norm(sent)))
+        cosines.setdefault(self.rt.cfg.sgca_beta, []).append(
+            float(got @ sent / np.linalg.norm(got) / np.linalg.norm(sent))
+        )
         return content
 
     monkeypatch.setattr(sgca_module.SGCAClient, "train", spy)
     for beta in (0.0, 5.0):
-        run_inprocess(tiny(strategy="sgca", **{"run-name": f"b{beta}", "num-rounds": 2, "sgca-beta": beta,
-                                               "lr": 0.05}), num_nodes=2)
+        run_inprocess(
+            tiny(strategy="sgca", **{"run-name": f"b{beta}", "num-rounds": 2, "sgca-beta": beta, "lr": 0.05}),
+            num_nodes=2,
+        )
     assert np.mean(cosines[5.0]) > np.mean(cosines[0.0])
-
-
-@pytest.mark.parametrize("strategy", ["sgca", "lat"])
-def test_resume_equals_uninterrupted(tiny, strategy):
-    common = {"strategy": strategy, "fraction-train": 0.67, "sgca-solver": "closed-form"}
-    full = tiny(**common, **{"run-name": "full", "num-rounds": 3})
-    run_inprocess(full, num_nodes=3)
-    part = tiny(**common, **{"run-name": "part", "num-rounds": 2})
-    run_inprocess(part, num_nodes=3)
-    summary, _ = run_inprocess(tiny(**common, **{"num-rounds": 3, "resume-from": str(run_dir_of(part))}), num_nodes=3)
-    assert summary["rounds"] == 3
-    a, _ = Checkpointer(run_dir_of(full) / "checkpoint").load()
-    b, _ = Checkpointer(run_dir_of(part) / "checkpoint").load()
-    assert list(a) == list(b)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k])
-    ev = lambda d: [(r["round"], r["client"], r["auc"], r["loss"]) for r in records(d, "eval")]
-    assert ev(run_dir_of(full)) == ev(run_dir_of(part))
 
 
 # ----------------------------------------------------------------------------- segmentation federations
@@ -324,8 +325,12 @@ def test_trained_alike_sites_weigh_each_other_more_than_the_different_one(tiny, 
     from medflower.data.synthetic_seg import write_segfolder
 
     root = write_segfolder(tmp_path / "data", {"a-hosp": 0, "b-hosp": 0, "c-hosp": 1}, per_site=60, size=32, seed=0)
-    config = tiny(strategy="sgca", dataset=f"segfolder:{root}", **SEG, **{"run-name": metric, "num-rounds": 2,
-                                                                          "sgca-metric": metric})
+    config = tiny(
+        strategy="sgca",
+        dataset=f"segfolder:{root}",
+        **SEG,
+        **{"run-name": metric, "num-rounds": 2, "sgca-metric": metric},
+    )
     run_inprocess(config, num_nodes=3)
     for r in records(run_dir_of(config), "server"):
         assert r["sgca_clients"] == ["a-hosp", "b-hosp", "c-hosp"]
@@ -334,11 +339,18 @@ def test_trained_alike_sites_weigh_each_other_more_than_the_different_one(tiny, 
         assert w[2, 2] > max(w[2, 0], w[2, 1]), w
 
 
-@pytest.mark.parametrize("strategy, extra", [("sgca", {}), ("sgca", {"lat-layers": "all"}), ("lat", {}),
-                                             ("fedavg", {}), ("fedprox", {}), ("local", {})])
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [("sgca", {}), ("sgca", {"lat-layers": "all"}), ("lat", {}), ("fedavg", {}), ("fedprox", {}), ("local", {})],
+)
 def test_every_baseline_segments_synthetic_seg(tiny, strategy, extra):
-    config = tiny(strategy=strategy, dataset="synthetic-seg", **SEG, **extra,
-                  **{"run-name": strategy, "num-rounds": 3, "synthetic-size": 480, "lr": 3e-3})
+    config = tiny(
+        strategy=strategy,
+        dataset="synthetic-seg",
+        **SEG,
+        **extra,
+        **{"run-name": strategy, "num-rounds": 3, "synthetic-size": 480, "lr": 3e-3},
+    )
     summary, _ = run_inprocess(config, num_nodes=3)
     assert set(summary["per_client"]) == {"site-0", "site-1", "site-2"}
     for values in summary["per_client"].values():

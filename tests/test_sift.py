@@ -6,11 +6,11 @@ per class, and bad configurations are named."""
 
 import json
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import InProcessGrid, run_inprocess
@@ -33,8 +33,17 @@ def embeddings(tmp_path):
 @pytest.fixture
 def sift(tiny, embeddings):
     def make(**overrides):
-        return tiny(**{"strategy": "sift", "class-embeddings": embeddings, "num-rounds": 2, "sift-batch-size": 32,
-                       "sift-lr-first": 0.05, "sift-lr": 0.01, **overrides})
+        return tiny(
+            **{
+                "strategy": "sift",
+                "class-embeddings": embeddings,
+                "num-rounds": 2,
+                "sift-batch-size": 32,
+                "sift-lr-first": 0.05,
+                "sift-lr": 0.01,
+                **overrides,
+            }
+        )
 
     return make
 
@@ -60,15 +69,11 @@ def train_hops(log):
     return [(int(m.metadata.group_id), m, r) for m, r in log if m.metadata.message_type == "train"]
 
 
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
 def test_each_site_trains_once_per_round_in_the_seeded_order_and_the_pair_passes_along(sift, replies):
     config = sift(**{"run-name": "relay"})
     run_inprocess(config, NUM_NODES)
     hops = train_hops(replies)
-    order = json.loads((Path(config["output-dir"]) / "relay" / "checkpoint" / "state.json").read_text())["strategy_meta"]["order"]
+    order = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]["order"]
     assert sorted(order) == list(range(NUM_NODES))
     for rnd in (1, 2):  # node id = partition id + 1 in the in-process grid
         assert [m.metadata.dst_node_id - 1 for r, m, _ in hops if r == rnd] == order
@@ -77,18 +82,17 @@ def test_each_site_trains_once_per_round_in_the_seeded_order_and_the_pair_passes
         assert list(sent) == list(received)
         for name in sent:
             np.testing.assert_array_equal(sent[name], received[name])
-    lrs = [r["lr"] for r in records(Path(config["output-dir"]) / "relay", "train")]
+    lrs = [r["lr"] for r in records(run_dir_of(config), "train")]
     assert lrs == [0.05] * NUM_NODES + [0.01] * NUM_NODES
     # the order comes from the seed
     other = sift(**{"run-name": "relay-seed", "seed": 3, "num-rounds": 1})
     run_inprocess(other, NUM_NODES)
-    meta = json.loads((Path(other["output-dir"]) / "relay-seed" / "checkpoint" / "state.json").read_text())
+    meta = json.loads((run_dir_of(other) / "checkpoint" / "state.json").read_text())
     assert meta["strategy_meta"]["order"] != order
 
 
 def test_the_long_term_model_is_the_exact_ema_of_the_short_term_one_batchnorm_included(sift, replies):
-    config = sift(**{"run-name": "ema", "num-rounds": 1, "backbone": "resnet18", "adapter": "full",
-                     "sift-beta": 0.75})
+    config = sift(**{"run-name": "ema", "num-rounds": 1, "backbone": "resnet18", "adapter": "full", "sift-beta": 0.75})
     run_inprocess(config, 2)
     (_, sent, reply), _ = train_hops(replies)
     short_in, long_in = split_pair(from_record(sent.content["arrays"]))
@@ -99,8 +103,9 @@ def test_the_long_term_model_is_the_exact_ema_of_the_short_term_one_batchnorm_in
     for name in short_out:
         np.testing.assert_allclose(long_out[name], 0.75 * long_in[name] + 0.25 * short_out[name], rtol=1e-6, atol=1e-7)
     a = OrderedDict(w=np.array([1.0, 2.0], np.float32))
-    np.testing.assert_array_equal(ema_update(a, OrderedDict(w=np.array([3.0, 6.0], np.float32)), 0.9)["w"],
-                                  np.array([1.2, 2.4], np.float32))
+    np.testing.assert_array_equal(
+        ema_update(a, OrderedDict(w=np.array([3.0, 6.0], np.float32)), 0.9)["w"], np.array([1.2, 2.4], np.float32)
+    )
 
 
 def test_sites_evaluate_the_long_term_model_and_single_sends_the_short_term_model_alone(sift, replies):
@@ -110,11 +115,11 @@ def test_sites_evaluate_the_long_term_model_and_single_sends_the_short_term_mode
     last_pair = from_record(train_hops(replies)[-1][2].content["arrays"])
     for m, _ in evaluations:
         sent = from_record(m.content["arrays"])
-        assert list(sent) == [k[len(LONG):] for k in last_pair if k.startswith(LONG)]
+        assert list(sent) == [k[len(LONG) :] for k in last_pair if k.startswith(LONG)]
         for k, v in sent.items():
             np.testing.assert_array_equal(v, last_pair[LONG + k])
     # the paper's metric: balanced accuracy on the sites' test splits pooled, from the counts they sent
-    counts = sum(np.reshape(r[CONFUSION], (8, 8)) for r in records(Path(config["output-dir"]) / "pair", "eval"))
+    counts = sum(np.reshape(r[CONFUSION], (8, 8)) for r in records(run_dir_of(config), "eval"))
     assert summary["final"]["pooled_balanced_accuracy"] == pooled_metrics(counts)["pooled_balanced_accuracy"]
     replies.clear()
     run_inprocess(sift(**{"run-name": "single", "num-rounds": 1, "sift-variant": "single"}), 2)
@@ -140,7 +145,7 @@ def test_a_silent_site_in_the_middle_of_the_order_is_skipped_and_the_next_gets_t
     assert list(received) == list(sent)
     for name in sent:  # the pair goes on unchanged: exactly what the silent site was sent
         np.testing.assert_array_equal(received[name], sent[name])
-    run_dir = Path(config["output-dir"]) / "drop"
+    run_dir = run_dir_of(config)
     server = records(run_dir, "server")[0]
     assert server["num_failed"] == 1 and server["failed"][0].endswith(": no reply")
     assert [r["position"] for r in records(run_dir, "train")] == [0, 2, 3]
@@ -168,23 +173,24 @@ def test_a_run_stopped_mid_round_resumes_to_the_uninterrupted_result(sift, monke
     monkeypatch.setattr(InProcessGrid, "send_and_receive", crash_at_sixth_hop)
     with pytest.raises(Crash):
         run_inprocess(stopped, NUM_NODES)
-    meta = json.loads((Path(stopped["output-dir"]) / "stopped" / "checkpoint" / "state.json").read_text())
+    meta = json.loads((run_dir_of(stopped) / "checkpoint" / "state.json").read_text())
     assert meta["completed_rounds"] == 1 and meta["strategy_meta"]["position"] == 1
     monkeypatch.setattr(InProcessGrid, "send_and_receive", original)
-    run_inprocess({**stopped, "resume-from": str(Path(stopped["output-dir"]) / "stopped")}, NUM_NODES)
-    a, _ = Checkpointer(Path(whole["output-dir"]) / "whole" / "checkpoint").load()
-    b, _ = Checkpointer(Path(stopped["output-dir"]) / "stopped" / "checkpoint").load()
+    run_inprocess({**stopped, "resume-from": str(run_dir_of(stopped))}, NUM_NODES)
+    a, _ = Checkpointer(run_dir_of(whole) / "checkpoint").load()
+    b, _ = Checkpointer(run_dir_of(stopped) / "checkpoint").load()
     assert list(a) == list(b)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
     for kind in ("train", "eval"):
-        whole_records = records(Path(whole["output-dir"]) / "whole", kind)
-        resumed = records(Path(stopped["output-dir"]) / "stopped", kind)
+        whole_records = records(run_dir_of(whole), kind)
+        resumed = records(run_dir_of(stopped), kind)
         assert [(r["round"], r["client"]) for r in resumed] == [(r["round"], r["client"]) for r in whole_records]
-        assert [r["train_loss" if kind == "train" else "loss"] for r in resumed] == \
-            [r["train_loss" if kind == "train" else "loss"] for r in whole_records]
-    server_whole = records(Path(whole["output-dir"]) / "whole", "server")
-    server_resumed = records(Path(stopped["output-dir"]) / "stopped", "server")
+        assert [r["train_loss" if kind == "train" else "loss"] for r in resumed] == [
+            r["train_loss" if kind == "train" else "loss"] for r in whole_records
+        ]
+    server_whole = records(run_dir_of(whole), "server")
+    server_resumed = records(run_dir_of(stopped), "server")
     assert [r["bytes_up"] for r in server_resumed] == [r["bytes_up"] for r in server_whole]
 
 
@@ -193,9 +199,16 @@ def model_for(config: dict, class_names=None):
     return build_model(cfg.model_spec(class_names or [f"class {i}" for i in range(8)]), 8)
 
 
-@pytest.mark.parametrize("variant, trains", [("full", set()), ("single", set()), ("random-head", set()),
-                                             ("trainable-proj", {"head.projector"}),
-                                             ("trainable-head", {"head.weight", "head.bias"})])
+@pytest.mark.parametrize(
+    "variant, trains",
+    [
+        ("full", set()),
+        ("single", set()),
+        ("random-head", set()),
+        ("trainable-proj", {"head.projector"}),
+        ("trainable-head", {"head.weight", "head.bias"}),
+    ],
+)
 def test_head_and_projector_get_no_gradient_unless_the_variant_says_so(sift, embeddings, variant, trains):
     model = model_for(sift(**{"sift-variant": variant}))
     head_arrays = {k for k in model.trainable_names() if k.startswith("head.")}
@@ -210,17 +223,22 @@ def test_head_and_projector_get_no_gradient_unless_the_variant_says_so(sift, emb
     if variant == "random-head":
         assert model.head.weight.shape == (8, 24) and not np.allclose(model.head.weight.numpy(), np.load(embeddings))
     if variant != "trainable-head":  # P is rebuilt from the seed alone
-        torch.testing.assert_close(model.head.projector.detach(), model_for(sift(**{"sift-variant": variant})).head.projector.detach())
+        torch.testing.assert_close(
+            model.head.projector.detach(), model_for(sift(**{"sift-variant": variant})).head.projector.detach()
+        )
 
 
 def test_a_local_text_encoder_gives_the_head_one_row_per_class(sift, tiny_bert):
     texts = ["normal chest", "pneumonia", "lung opacity", "chest", "normal lung", "opacity", "pneumonia lung", "lung"]
     config = sift(**{"class-embeddings": "", "text-encoder": str(tiny_bert), "class-texts": "; ".join(texts)})
     model = model_for(config)
-    np.testing.assert_allclose(model.head.weight.numpy(), encode_class_texts(str(tiny_bert), texts), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        model.head.weight.numpy(), encode_class_texts(str(tiny_bert), texts), rtol=1e-5, atol=1e-6
+    )
     by_name = model_for({**config, "class-texts": ""}, class_names=texts[::-1])  # class names when no texts are given
-    np.testing.assert_allclose(by_name.head.weight.numpy(), encode_class_texts(str(tiny_bert), texts[::-1]), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        by_name.head.weight.numpy(), encode_class_texts(str(tiny_bert), texts[::-1]), rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(ModelError, match="3 class texts for 8 classes"):
         model_for({**config, "class-texts": "a; b; c"})
 

@@ -49,24 +49,46 @@ def test_site_dataset_needs_num_classes():
 
 def test_sites_with_own_data_train_and_a_broken_site_is_skipped(tmp_path):
     sites = [write_site_npz(tmp_path / f"site-{i}" / "pneumoniamnist.npz", shift=i) for i in range(2)]
-    node_configs = [{"data-path": str(sites[0].parent), "site-name": "hospital-a"},
-                    {"data-path": str(sites[1]), "site-name": "hospital-b"},
-                    {"data-path": str(tmp_path / "missing"), "site-name": "hospital-c"}]
-    config = {"dataset": "site", "num-classes": 2, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
-              "num-rounds": 2, "lr": 0.01, "output-dir": str(tmp_path / "out"), "run-name": "sites"}
+    node_configs = [
+        {"data-path": str(sites[0].parent), "site-name": "hospital-a"},
+        {"data-path": str(sites[1]), "site-name": "hospital-b"},
+        {"data-path": str(tmp_path / "missing"), "site-name": "hospital-c"},
+    ]
+    config = {
+        "dataset": "site",
+        "num-classes": 2,
+        "img-size": 16,
+        "patch-size": 8,
+        "backbone-weights": "none",
+        "num-rounds": 2,
+        "lr": 0.01,
+        "output-dir": str(tmp_path / "out"),
+        "run-name": "sites",
+    }
     summary, _ = run_inprocess(config, num_nodes=3, node_configs=node_configs)
     assert sorted(summary["per_client"]) == ["hospital-a", "hospital-b"]
     assert summary["final"]["auc"] > 0.6
-    server = [json.loads(line) for line in (tmp_path / "out" / "sites" / "metrics.jsonl").read_text().splitlines()
-              if '"server"' in line]
+    server = [
+        json.loads(line)
+        for line in (tmp_path / "out" / "sites" / "metrics.jsonl").read_text().splitlines()
+        if '"server"' in line
+    ]
     assert all(r["num_failed"] == 1 for r in server)
     assert "missing does not exist" in server[0]["failed"][0]
 
 
 def test_site_with_more_classes_than_the_model_is_refused(tmp_path):
     site = write_site_npz(tmp_path / "s" / "pneumoniamnist.npz")
-    config = {"dataset": "site", "num-classes": 1, "img-size": 16, "patch-size": 8, "backbone-weights": "none",
-              "num-rounds": 1, "output-dir": str(tmp_path / "out"), "run-name": "x"}
+    config = {
+        "dataset": "site",
+        "num-classes": 1,
+        "img-size": 16,
+        "patch-size": 8,
+        "backbone-weights": "none",
+        "num-rounds": 1,
+        "output-dir": str(tmp_path / "out"),
+        "run-name": "x",
+    }
     with pytest.raises(RuntimeError, match="no node answered"):
         run_inprocess(config, num_nodes=1, node_configs=[{"data-path": str(site)}])
 
@@ -77,9 +99,20 @@ def test_segmentation_sites_with_own_folders_run_sgca(tmp_path):
 
     root = write_segfolder(tmp_path / "data", {"hospital-a": 0, "hospital-b": 1}, per_site=40, size=32, seed=0)
     node_configs = [{"data-path": str(root / name), "site-name": name} for name in ("hospital-a", "hospital-b")]
-    config = {"dataset": "site", "task": "segmentation", "num-classes": 2, "strategy": "sgca",
-              "sgca-solver": "closed-form", "adapter": "bottleneck", "img-size": 32, "patch-size": 8,
-              "backbone-weights": "none", "num-rounds": 1, "output-dir": str(tmp_path / "out"), "run-name": "seg"}
+    config = {
+        "dataset": "site",
+        "task": "segmentation",
+        "num-classes": 2,
+        "strategy": "sgca",
+        "sgca-solver": "closed-form",
+        "adapter": "bottleneck",
+        "img-size": 32,
+        "patch-size": 8,
+        "backbone-weights": "none",
+        "num-rounds": 1,
+        "output-dir": str(tmp_path / "out"),
+        "run-name": "seg",
+    }
     summary, _ = run_inprocess(config, num_nodes=2, node_configs=node_configs)
     assert sorted(summary["per_client"]) == ["hospital-a", "hospital-b"]
     for v in summary["per_client"].values():  # the mean Dice is the mean of the two classes' Dice
@@ -96,4 +129,4 @@ def test_a_classification_site_in_a_segmentation_run_is_refused(tmp_path):
     context = Context(run_id=1, node_id=1, node_config={"data-path": str(site)}, state=RecordDict(), run_config={})
     runtime = ClientRuntime(cfg, context, {"num-classes": 2}, 0, 1, str(site))
     with pytest.raises(DataError, match="holds classification data but the run trains a segmentation model"):
-        runtime.data
+        _ = runtime.data

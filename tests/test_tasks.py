@@ -16,12 +16,15 @@ def test_task_classes_accept_names_and_indices_and_default_to_the_dataset_order(
     assert parse_task_classes("nv, mel, 4", NAMES) == [1, 0, 4]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("nv,scc", "'scc' is neither a class name nor an index < 5 (classes: mel, nv, bcc, ak, bkl)"),
-    ("nv,7", "'7' is neither"),
-    ("nv,1", "class 'nv' appears twice"),
-    ("nv", "at least two classes"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("nv,scc", "'scc' is neither a class name nor an index < 5 (classes: mel, nv, bcc, ak, bkl)"),
+        ("nv,7", "'7' is neither"),
+        ("nv,1", "class 'nv' appears twice"),
+        ("nv", "at least two classes"),
+    ],
+)
 def test_bad_task_classes_say_what_is_wrong(text, message):
     with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_task_classes(text, NAMES)
@@ -63,7 +66,7 @@ def test_binary_task_keeps_seen_and_new_rows_and_labels_the_new_class_one():
 
 
 def test_fedkei_refuses_a_segmentation_source():
-    with pytest.raises(ConfigError, match="continual task streams need a classification source"):
+    with pytest.raises(ConfigError, match="trains classification models only; dataset .synthetic-seg. is segmentation"):
         ExperimentConfig.from_run_config({**defaults(), "strategy": "fedkei", "dataset": "synthetic-seg"})
 
 

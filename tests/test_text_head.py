@@ -55,8 +55,10 @@ def test_projector_is_rebuilt_from_the_seed_and_the_head_is_cosine_over_tau():
     features = torch.randn(4, 12, requires_grad=True)
     head = CosineHead(embeddings, p, tau=0.07)
     logits = head(features)
-    expected = torch.nn.functional.cosine_similarity((features @ p.T)[:, None, :],
-                                                     torch.as_tensor(embeddings)[None], dim=-1) / 0.07
+    expected = (
+        torch.nn.functional.cosine_similarity((features @ p.T)[:, None, :], torch.as_tensor(embeddings)[None], dim=-1)
+        / 0.07
+    )
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     assert list(head.parameters()) == []  # frozen: W and P are buffers
     logits.sum().backward()

@@ -21,16 +21,33 @@ _TRANSFORMER_FEEDFORWARD = ("fc2",)
 _RESNET_BLOCK_CONV = re.compile(r"layer\d+\.\d+\.conv\d+")
 
 
-def inject_adapter(backbone: nn.Module, adapter: str, family: str, *, targets: Sequence[str] = (),
-                   lora_rank: int = 8, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
-                   bottleneck_ratio: float = 0.25, n_frequency: int = 3000, fourier_scale: float = 150.0,
-                   backbone_name: str = "") -> None:
+def inject_adapter(
+    backbone: nn.Module,
+    adapter: str,
+    family: str,
+    *,
+    targets: Sequence[str] = (),
+    lora_rank: int = 8,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    bottleneck_ratio: float = 0.25,
+    n_frequency: int = 3000,
+    fourier_scale: float = 150.0,
+    backbone_name: str = "",
+) -> None:
     """Add ``adapter`` to ``backbone`` in place (parameters of the new modules are new nn.Parameters)."""
     if adapter in ("none", "full"):
         return
     if adapter in QK_ADAPTERS:
-        add_qk_adapters(backbone, adapter, n_frequency=n_frequency, fourier_scale=fourier_scale,
-                        lora_rank=lora_rank, lora_alpha=lora_alpha, backbone_name=backbone_name)
+        add_qk_adapters(
+            backbone,
+            adapter,
+            n_frequency=n_frequency,
+            fourier_scale=fourier_scale,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            backbone_name=backbone_name,
+        )
         return
     if adapter == "bottleneck":
         add_bottleneck_adapters(backbone, bottleneck_ratio, backbone_name=backbone_name)
@@ -38,8 +55,9 @@ def inject_adapter(backbone: nn.Module, adapter: str, family: str, *, targets: S
     if adapter not in ("lora", "ia3"):
         raise ModelError(f"unknown adapter {adapter!r}; choose one of {list(ADAPTERS)}")
 
-    modules = _match_targets(backbone, tuple(targets) or _default_targets(backbone, adapter, family, backbone_name),
-                             backbone_name)
+    modules = _match_targets(
+        backbone, tuple(targets) or _default_targets(backbone, adapter, family, backbone_name), backbone_name
+    )
     if adapter == "lora":
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=modules)
     else:
@@ -58,8 +76,10 @@ def _default_targets(backbone: nn.Module, adapter: str, family: str, backbone_na
         return _TRANSFORMER_TARGETS[adapter]
     if family == "resnet":  # every conv inside the residual blocks of layer1..4
         return tuple(n for n, _ in backbone.named_modules() if _RESNET_BLOCK_CONV.fullmatch(n))
-    raise ModelError(f"no default {adapter!r} targets for backbone {backbone_name!r} (family {family!r}); pass "
-                     f"adapter_targets (module-name suffixes), e.g. from modules {_some_module_names(backbone)}")
+    raise ModelError(
+        f"no default {adapter!r} targets for backbone {backbone_name!r} (family {family!r}); pass "
+        f"adapter_targets (module-name suffixes), e.g. from modules {_some_module_names(backbone)}"
+    )
 
 
 def _feedforward_modules(backbone: nn.Module, family: str) -> list[str]:
@@ -76,11 +96,12 @@ def _feedforward_modules(backbone: nn.Module, family: str) -> list[str]:
 
 def _match_targets(backbone: nn.Module, targets: Sequence[str], backbone_name: str) -> list[str]:
     """Full names of the modules whose name equals or ends with ``.<target>`` (peft's list semantics)."""
-    matched = [n for n, _ in backbone.named_modules()
-               if n and any(n == t or n.endswith("." + t) for t in targets)]
+    matched = [n for n, _ in backbone.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
     if not matched:
-        raise ModelError(f"adapter targets {list(targets)} match no module of {backbone_name!r}; "
-                         f"module names look like {_some_module_names(backbone)}")
+        raise ModelError(
+            f"adapter targets {list(targets)} match no module of {backbone_name!r}; "
+            f"module names look like {_some_module_names(backbone)}"
+        )
     return matched
 
 
@@ -125,16 +146,21 @@ class Bottleneck(nn.Module):
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
     """Blocks with ``.attn`` and ``.mlp`` submodules (timm ViT ``Block``, Swin ``SwinTransformerBlock``)."""
-    return [m for m in backbone.modules()
-            if isinstance(getattr(m, "attn", None), nn.Module) and isinstance(getattr(m, "mlp", None), nn.Module)]
+    return [
+        m
+        for m in backbone.modules()
+        if isinstance(getattr(m, "attn", None), nn.Module) and isinstance(getattr(m, "mlp", None), nn.Module)
+    ]
 
 
 def add_bottleneck_adapters(backbone: nn.Module, ratio: float, backbone_name: str = "") -> None:
     """Per block: ``attn_out + adapter_attn(attn_out)`` and ``mlp(x) + 0.5 * adapter_mlp(x)``."""
     blocks = transformer_blocks(backbone)
     if not blocks:
-        raise ModelError(f"adapter 'bottleneck' needs a transformer backbone with .attn/.mlp blocks "
-                         f"(got {backbone_name or type(backbone).__name__}); use lora or ia3")
+        raise ModelError(
+            f"adapter 'bottleneck' needs a transformer backbone with .attn/.mlp blocks "
+            f"(got {backbone_name or type(backbone).__name__}); use lora or ia3"
+        )
     for block in blocks:
         dim = _block_dim(block)
         block.adapter_attn = Bottleneck(dim, ratio, scale=1.0, parallel=False)

@@ -30,12 +30,12 @@ def clean_param_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != PEFT_ADAPTER_NAME)
 
 
-def to_numpy(params: Mapping[str, nn.Parameter]) -> "OrderedDict[str, np.ndarray]":
+def to_numpy(params: Mapping[str, nn.Parameter]) -> OrderedDict[str, np.ndarray]:
     """float32 numpy copies (never views of the parameters), in the mapping's order."""
     return OrderedDict((name, p.detach().cpu().to(torch.float32).numpy().copy()) for name, p in params.items())
 
 
-def array_spec(params: Mapping[str, nn.Parameter]) -> "OrderedDict[str, tuple[tuple[int, ...], str]]":
+def array_spec(params: Mapping[str, nn.Parameter]) -> OrderedDict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype) of the arrays ``to_numpy`` returns."""
     return OrderedDict((name, (tuple(p.shape), "float32")) for name, p in params.items())
 
@@ -46,12 +46,15 @@ def check_arrays(params: Mapping[str, nn.Parameter], arrays: Mapping[str, np.nda
         missing = [n for n in params if n not in arrays]
         unexpected = [n for n in arrays if n not in params]
         if missing or unexpected:
-            raise ModelError(f"trainable arrays do not match the model: missing {_few(missing)}, "
-                             f"unexpected {_few(unexpected)} (expected {len(params)} arrays, got {len(arrays)})")
+            raise ModelError(
+                f"trainable arrays do not match the model: missing {_few(missing)}, "
+                f"unexpected {_few(unexpected)} (expected {len(params)} arrays, got {len(arrays)})"
+            )
     for name, value in arrays.items():
         if name in params and tuple(np.shape(value)) != tuple(params[name].shape):
-            raise ModelError(f"array {name!r} has shape {tuple(np.shape(value))} but the model expects "
-                             f"{tuple(params[name].shape)}")
+            raise ModelError(
+                f"array {name!r} has shape {tuple(np.shape(value))} but the model expects {tuple(params[name].shape)}"
+            )
 
 
 def copy_into(params: Mapping[str, nn.Parameter], arrays: Mapping[str, np.ndarray], strict: bool = True) -> None:

@@ -6,8 +6,9 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import timm
@@ -50,12 +51,15 @@ def resolve_backbone(name: str) -> str:
             timm.models.get_pretrained_cfg(name)  # rejects an unknown `.tag`
         except RuntimeError as e:
             arch = name.split(".", 1)[0]
-            raise ModelError(f"unknown pretrained tag in backbone {name!r}; timm knows "
-                             f"{timm.list_pretrained(arch + '.*')[:8]}") from e
+            raise ModelError(
+                f"unknown pretrained tag in backbone {name!r}; timm knows {timm.list_pretrained(arch + '.*')[:8]}"
+            ) from e
         return name
     aliases = ", ".join(BACKBONE_ALIASES)
-    raise ModelError(f"unknown backbone {name!r}; choose one of the aliases [{aliases}] or any timm model name "
-                     f"(see timm.list_models())")
+    raise ModelError(
+        f"unknown backbone {name!r}; choose one of the aliases [{aliases}] or any timm model name "
+        f"(see timm.list_models())"
+    )
 
 
 def backbone_family(timm_name: str) -> str:
@@ -64,8 +68,9 @@ def backbone_family(timm_name: str) -> str:
     return _FAMILY_BY_TIMM_MODULE.get(module, "other")
 
 
-def create_backbone(timm_name: str, *, img_size: int, patch_size: int, weights: str,
-                    seed: int) -> tuple[nn.Module, str]:
+def create_backbone(
+    timm_name: str, *, img_size: int, patch_size: int, weights: str, seed: int
+) -> tuple[nn.Module, str]:
     """Build a headless timm model (``num_classes=0``) and load its weights.
 
     Returns ``(model, weights_source)`` where ``weights_source`` is ``"random"``, ``"pretrained:<file>"`` or
@@ -92,8 +97,10 @@ def create_backbone(timm_name: str, *, img_size: int, patch_size: int, weights: 
 def _timm_kwargs(timm_name: str, family: str, img_size: int, patch_size: int) -> dict[str, Any]:
     """Keyword arguments for timm.create_model for this family."""
     if patch_size > 0 and family != "vit":
-        raise ModelError(f"patch_size={patch_size} applies to ViTs only (backbone {timm_name!r} is a {family} "
-                         f"model); use patch_size=0")
+        raise ModelError(
+            f"patch_size={patch_size} applies to ViTs only (backbone {timm_name!r} is a {family} "
+            f"model); use patch_size=0"
+        )
     kwargs: dict[str, Any] = {"num_classes": 0}
     if family in ("vit", "swin", "other"):  # resnets are size-agnostic and take no img_size
         kwargs["img_size"] = img_size
@@ -110,14 +117,18 @@ def _timm_kwargs(timm_name: str, family: str, img_size: int, patch_size: int) ->
     return kwargs
 
 
-def _create(timm_name: str, family: str, kwargs: dict[str, Any], seed: int,
-            pretrained_overlay: dict[str, Any] | None = None) -> nn.Module:
+def _create(
+    timm_name: str, family: str, kwargs: dict[str, Any], seed: int, pretrained_overlay: dict[str, Any] | None = None
+) -> nn.Module:
     """timm.create_model with a fixed seed (pretrained only when an overlay pointing at a local file is given).
 
     ``other`` families that reject ``img_size`` are retried without it.
     """
-    pretrained = {"pretrained": False} if pretrained_overlay is None else \
-        {"pretrained": True, "pretrained_cfg_overlay": pretrained_overlay}
+    pretrained = (
+        {"pretrained": False}
+        if pretrained_overlay is None
+        else {"pretrained": True, "pretrained_cfg_overlay": pretrained_overlay}
+    )
     try:
         torch.manual_seed(seed)
         try:
@@ -141,8 +152,10 @@ def _check_img_size(model: nn.Module, timm_name: str, family: str, img_size: int
     patch = model.patch_embed.patch_size
     patch = patch[0] if isinstance(patch, (tuple, list)) else patch
     if img_size % patch:
-        raise ModelError(f"img_size={img_size} is not a multiple of the patch size {patch} of {timm_name!r}; "
-                         f"pick img_size divisible by {patch}")
+        raise ModelError(
+            f"img_size={img_size} is not a multiple of the patch size {patch} of {timm_name!r}; "
+            f"pick img_size divisible by {patch}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- auto weights
@@ -152,8 +165,12 @@ def _create_auto(timm_name: str, family: str, kwargs: dict[str, Any], seed: int)
     """Pretrained weights from the local cache only (never the network); else random init + loud warning."""
     cached = cached_pretrained_file(timm_name)
     if cached is None:
-        _warn_random(timm_name, seed, "no pretrained weights for it are in the local HF/torch hub cache "
-                                      f"(HF cache {_hf_cache_dir()}, torch hub {torch.hub.get_dir()})")
+        _warn_random(
+            timm_name,
+            seed,
+            "no pretrained weights for it are in the local HF/torch hub cache "
+            f"(HF cache {_hf_cache_dir()}, torch hub {torch.hub.get_dir()})",
+        )
         return _create(timm_name, family, kwargs, seed), "random"
     file, overlay = cached
     try:
@@ -205,11 +222,13 @@ def _hf_cache_dir() -> str:
 
 
 def _warn_random(timm_name: str, seed: int, reason: str) -> None:
-    msg = (f"weights='auto' for backbone {timm_name!r}: {reason}. USING RANDOM INITIALISATION (seed {seed}) - "
-           f"results will be far below pretrained quality. To use pretrained weights offline, pass "
-           f"weights='/path/to/{timm_name}.safetensors' (a timm state dict, e.g. saved with "
-           f"safetensors.torch.save_file(timm.create_model({timm_name!r}, pretrained=True).state_dict(), ...) "
-           f"on a machine with internet), or copy a populated HF hub cache to this machine.")
+    msg = (
+        f"weights='auto' for backbone {timm_name!r}: {reason}. USING RANDOM INITIALISATION (seed {seed}) - "
+        f"results will be far below pretrained quality. To use pretrained weights offline, pass "
+        f"weights='/path/to/{timm_name}.safetensors' (a timm state dict, e.g. saved with "
+        f"safetensors.torch.save_file(timm.create_model({timm_name!r}, pretrained=True).state_dict(), ...) "
+        f"on a machine with internet), or copy a populated HF hub cache to this machine."
+    )
     logger.warning(msg)
     warnings.warn(msg, PretrainedWeightsWarning, stacklevel=4)
 
@@ -220,11 +239,15 @@ def _warn_random(timm_name: str, seed: int, reason: str) -> None:
 def _check_weights_path(weights: str) -> Path:
     path = Path(weights).expanduser()
     if not path.is_file():
-        raise ModelError(f"weights file not found: {str(path)!r}; weights must be one of {list(WEIGHT_MODES)} "
-                         f"or a path to an existing {'/'.join(WEIGHT_FILE_SUFFIXES)} file")
+        raise ModelError(
+            f"weights file not found: {str(path)!r}; weights must be one of {list(WEIGHT_MODES)} "
+            f"or a path to an existing {'/'.join(WEIGHT_FILE_SUFFIXES)} file"
+        )
     if path.suffix not in WEIGHT_FILE_SUFFIXES:
-        raise ModelError(f"weights file {str(path)!r} has unsupported suffix {path.suffix!r}; "
-                         f"use one of {list(WEIGHT_FILE_SUFFIXES)}")
+        raise ModelError(
+            f"weights file {str(path)!r} has unsupported suffix {path.suffix!r}; "
+            f"use one of {list(WEIGHT_FILE_SUFFIXES)}"
+        )
     return path
 
 
@@ -247,7 +270,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ModelError(f"weights file {str(path)!r} does not contain a state dict of tensors")
     for prefix in ("module.", "backbone."):  # DDP / AdaptedClassifier checkpoints
         if state and all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
+            state = {k[len(prefix) :]: v for k, v in state.items()}
     return state
 
 
@@ -267,19 +290,28 @@ def load_weights_file(model: nn.Module, path: str | os.PathLike) -> None:
     expected = model.state_dict()
     matched = {k: v for k, v in state.items() if k in expected}
     if not matched:
-        raise ModelError(f"no key of weights file {str(path)!r} matches the backbone "
-                         f"(file keys e.g. {sorted(state)[:4]}, backbone keys e.g. {list(expected)[:4]})")
-    mismatched = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in matched.items()
-                  if v.shape != expected[k].shape]
+        raise ModelError(
+            f"no key of weights file {str(path)!r} matches the backbone "
+            f"(file keys e.g. {sorted(state)[:4]}, backbone keys e.g. {list(expected)[:4]})"
+        )
+    mismatched = [
+        (k, tuple(v.shape), tuple(expected[k].shape)) for k, v in matched.items() if v.shape != expected[k].shape
+    ]
     if mismatched:
         shown = ", ".join(f"{k}: file {a} vs model {b}" for k, a, b in mismatched[:4])
-        raise ModelError(f"weights file {str(path)!r} has {len(mismatched)} tensor(s) with the wrong shape "
-                         f"for the backbone ({shown})")
+        raise ModelError(
+            f"weights file {str(path)!r} has {len(mismatched)} tensor(s) with the wrong shape "
+            f"for the backbone ({shown})"
+        )
     model.load_state_dict(matched, strict=False)
     missing = [k for k in expected if k not in matched]
     if missing:
-        logger.warning("weights file %s: %d backbone tensor(s) not in the file keep their random init, e.g. %s",
-                       path, len(missing), missing[:4])
+        logger.warning(
+            "weights file %s: %d backbone tensor(s) not in the file keep their random init, e.g. %s",
+            path,
+            len(missing),
+            missing[:4],
+        )
 
 
 def _timm_checkpoint_filter(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -290,6 +322,7 @@ def _timm_checkpoint_filter(model: nn.Module, state: dict[str, torch.Tensor]) ->
     try:
         return filter_fn(state, model)
     except Exception as e:  # noqa: BLE001 - a filter that cannot handle this file: load it unfiltered
-        logger.warning("timm checkpoint filter for %s failed (%s); loading the file unfiltered",
-                       type(model).__name__, e)
+        logger.warning(
+            "timm checkpoint filter for %s failed (%s); loading the file unfiltered", type(model).__name__, e
+        )
         return state

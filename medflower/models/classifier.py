@@ -1,111 +1,24 @@
-"""AdaptedModel (frozen timm backbone + adapters + a trainable task module), AdaptedClassifier, build_classifier."""
+"""AdaptedClassifier (pooled backbone features into a linear head or SiFT's cosine head) and build_classifier."""
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import arrays
-from .adapters import inject_adapter
-from .backbones import backbone_family, create_backbone, resolve_backbone
+from .adapted import (
+    HEAD_SEED_OFFSET,
+    PROJECTOR_SEED_OFFSET,
+    AdaptedModel,
+    build_backbone_with_adapter,
+    check_num_classes,
+)
 from .errors import ModelError
 from .spec import ModelSpec
 from .text_head import CosineHead, encode_class_texts, load_class_embeddings, random_projector
-
-# Offsets added to spec.seed per build stage, so each stage's init is fixed whatever the earlier stages consumed.
-_ADAPTER_SEED_OFFSET = 1_000_003
-_HEAD_SEED_OFFSET = 2_000_006
-_PROJECTOR_SEED_OFFSET = 3_000_009
-
-
-class AdaptedModel(nn.Module):
-    """A frozen timm backbone with adapters plus a small task module; only adapters and task module train.
-
-    ``task_module`` is the attribute holding the head (``head``) or decoder (``decoder``). The exchanged
-    ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward order
-    (block depth ascending, task module last) with peft's ``.default`` adapter name stripped.
-    With a frozen backbone, its BatchNorm layers stay in eval mode in ``train()``, so frozen running
-    statistics never drift locally (they are not exchanged). With ``adapter='full'`` the whole backbone
-    trains, BatchNorm updates its statistics, and ``running_mean``/``running_var`` travel with the
-    parameters (after them, in ``get_trainable``), so every message sets them and simulated sites sharing
-    one model object never see each other's statistics.
-    """
-
-    task: str = ""
-    task_module: str = ""
-
-    def __init__(self, backbone: nn.Module, adapter_param_names: Iterable[str] = (),
-                 spec: ModelSpec | None = None, weights_source: str = "random"):
-        super().__init__()
-        self.backbone = backbone
-        self.spec = spec
-        self.weights_source = weights_source
-
-    def _freeze_all_but_trainable(self, adapter_param_names: Iterable[str]) -> None:
-        """Fix the trainable set: the adapters' parameters and every parameter of the task module."""
-        adapter_params = {f"backbone.{n}" for n in adapter_param_names}
-        raw = [n for n, _ in self.named_parameters()
-               if n in adapter_params or n.startswith(self.task_module + ".")]
-        unknown = adapter_params - set(raw)
-        if unknown:
-            raise ModelError(f"adapter parameters not found in the backbone: {sorted(unknown)[:4]}")
-        clean = [arrays.clean_param_name(n) for n in raw]
-        if len(set(clean)) != len(clean):
-            raise ModelError(f"trainable parameter names collide after cleaning: {clean}")
-        self._trainable_raw = OrderedDict(zip(clean, raw))  # clean name -> name in named_parameters()
-        for name, p in self.named_parameters():
-            p.requires_grad_(name in raw)
-        self.trains_backbone = self.spec is not None and self.spec.adapter == "full"
-        statistics = [n for n, _ in self.named_buffers()
-                      if self.trains_backbone and n.startswith("backbone.") and arrays.is_running_statistic(n)]
-        self._statistics_raw = OrderedDict((arrays.clean_param_name(n), n) for n in statistics)
-
-    def train(self, mode: bool = True) -> "AdaptedModel":
-        super().train(mode)
-        if self.trains_backbone:
-            return self
-        for m in self.backbone.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.eval()  # frozen statistics, see class docstring
-        return self
-
-    def trainable_names(self) -> list[str]:
-        """Exchanged array names: trainable parameters, then (full backbone training) BatchNorm statistics."""
-        return [*self._trainable_raw, *self._statistics_raw]
-
-    def parameter_paths(self) -> "OrderedDict[str, str]":
-        """Clean trainable name -> its path in ``named_parameters()`` (what ``torch.func.functional_call`` takes)."""
-        return OrderedDict(self._trainable_raw)
-
-    def trainable_parameters(self) -> "OrderedDict[str, nn.Parameter]":
-        params = dict(self.named_parameters())
-        return OrderedDict((clean, params[raw]) for clean, raw in self._trainable_raw.items())
-
-    def _exchanged_tensors(self) -> "OrderedDict[str, torch.Tensor]":
-        """Trainable parameters, then the BatchNorm statistics that travel with them (see the class docstring)."""
-        buffers = dict(self.named_buffers())
-        return OrderedDict([*self.trainable_parameters().items(),
-                            *((clean, buffers[raw]) for clean, raw in self._statistics_raw.items())])
-
-    def get_trainable(self) -> "OrderedDict[str, np.ndarray]":
-        """float32 numpy copies of the exchanged arrays (trainable parameters + travelling statistics)."""
-        return arrays.to_numpy(self._exchanged_tensors())
-
-    def set_trainable(self, values: Mapping[str, np.ndarray], strict: bool = True) -> None:
-        """Copy arrays into the exchanged tensors; ModelError (nothing changed) on name/shape mismatch.
-
-        ``strict=False`` skips missing and unknown names (shapes are still checked).
-        """
-        arrays.copy_into(self._exchanged_tensors(), values, strict)
-
-    def trainable_spec(self) -> "OrderedDict[str, tuple[tuple[int, ...], str]]":
-        """name -> (shape, dtype) of ``get_trainable()``'s arrays."""
-        return arrays.array_spec(self._exchanged_tensors())
 
 
 class AdaptedClassifier(AdaptedModel):
@@ -114,8 +27,14 @@ class AdaptedClassifier(AdaptedModel):
     task = "classification"
     task_module = "head"
 
-    def __init__(self, backbone: nn.Module, head: nn.Module, adapter_param_names: Iterable[str] = (),
-                 spec: ModelSpec | None = None, weights_source: str = "random"):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: nn.Module,
+        adapter_param_names: Iterable[str] = (),
+        spec: ModelSpec | None = None,
+        weights_source: str = "random",
+    ):
         super().__init__(backbone, adapter_param_names, spec, weights_source)
         self.head = head
         self.feature_dim = head.in_features
@@ -134,37 +53,14 @@ class AdaptedClassifier(AdaptedModel):
         return self.backbone(x)
 
 
-def build_backbone_with_adapter(spec: ModelSpec) -> tuple[nn.Module, list[str], str, int]:
-    """(backbone with the spec's adapter, adapter parameter names, weights source, feature width)."""
-    timm_name = resolve_backbone(spec.backbone)
-    family = backbone_family(timm_name)
-    backbone, weights_source = create_backbone(timm_name, img_size=spec.img_size, patch_size=spec.patch_size,
-                                               weights=spec.weights, seed=spec.seed)
-    base_params = {id(p) for p in backbone.parameters()}
-    torch.manual_seed(spec.seed + _ADAPTER_SEED_OFFSET)
-    inject_adapter(backbone, spec.adapter, family, targets=spec.adapter_targets, lora_rank=spec.lora_rank,
-                   lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                   bottleneck_ratio=spec.bottleneck_ratio, n_frequency=spec.n_frequency,
-                   fourier_scale=spec.fourier_scale, backbone_name=spec.backbone)
-    adapter_param_names = [n for n, p in backbone.named_parameters()
-                           if id(p) not in base_params or spec.adapter == "full"]
-    feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
-    return backbone, adapter_param_names, weights_source, feature_dim
-
-
-def check_num_classes(num_classes: int) -> None:
-    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ModelError(f"num_classes must be an integer >= 1, got {num_classes!r}")
-
-
 def cosine_head(spec: ModelSpec, num_classes: int, feature_dim: int) -> CosineHead:
     """SiFT's head (docs/methods/sift.md): W from the spec's class-embedding source (or random with its shape), P a
     Gaussian [dim, feature_dim] from the spec's seed alone, so every node rebuilds the same frozen W and P."""
     embeddings = class_embedding_matrix(spec, num_classes)
     if spec.head == "random":
-        rng = np.random.default_rng(spec.seed + _HEAD_SEED_OFFSET)
+        rng = np.random.default_rng(spec.seed + HEAD_SEED_OFFSET)
         embeddings = rng.standard_normal(embeddings.shape).astype(np.float32)
-    projector = random_projector(spec.seed + _PROJECTOR_SEED_OFFSET, embeddings.shape[1], feature_dim)
+    projector = random_projector(spec.seed + PROJECTOR_SEED_OFFSET, embeddings.shape[1], feature_dim)
     return CosineHead(embeddings, projector, tau=spec.head_tau, train_projector=spec.train_projector)
 
 
@@ -173,11 +69,15 @@ def class_embedding_matrix(spec: ModelSpec, num_classes: int) -> np.ndarray:
     if spec.class_embeddings:
         return load_class_embeddings(spec.class_embeddings, num_classes)
     if not spec.text_encoder:
-        raise ModelError(f"head={spec.head!r} needs class embeddings: set run-config 'class-embeddings' (a .npy or "
-                         f".safetensors file, one row per class) or 'text-encoder' (a local model folder)")
+        raise ModelError(
+            f"head={spec.head!r} needs class embeddings: set run-config 'class-embeddings' (a .npy or "
+            f".safetensors file, one row per class) or 'text-encoder' (a local model folder)"
+        )
     if len(spec.class_texts) != num_classes:
-        raise ModelError(f"text-encoder {spec.text_encoder}: {len(spec.class_texts)} class texts for {num_classes} "
-                         f"classes; give one text per class (run-config 'class-texts', separated by ';')")
+        raise ModelError(
+            f"text-encoder {spec.text_encoder}: {len(spec.class_texts)} class texts for {num_classes} "
+            f"classes; give one text per class (run-config 'class-texts', separated by ';')"
+        )
     return _encoded_texts(spec.text_encoder, spec.class_texts)
 
 
@@ -192,6 +92,10 @@ def build_classifier(spec: ModelSpec, num_classes: int) -> AdaptedClassifier:
     check_num_classes(num_classes)
     with torch.random.fork_rng(devices=[]):  # seed locally, leave the caller's RNG untouched
         backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
-        torch.manual_seed(spec.seed + _HEAD_SEED_OFFSET)
-        head = nn.Linear(feature_dim, num_classes) if spec.head == "linear" else cosine_head(spec, num_classes, feature_dim)
+        torch.manual_seed(spec.seed + HEAD_SEED_OFFSET)
+        head = (
+            nn.Linear(feature_dim, num_classes)
+            if spec.head == "linear"
+            else cosine_head(spec, num_classes, feature_dim)
+        )
     return AdaptedClassifier(backbone, head, adapter_param_names, spec=spec, weights_source=weights_source)

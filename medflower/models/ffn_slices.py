@@ -2,7 +2,8 @@
 
 Every transformer block's feed-forward network is ``W2 · gelu(W1 x + b1) + b2`` (the paper's Eq. 1; timm's
 ``Mlp`` with ``fc1``/``act``/``fc2``). A sub-encoder keeps a subset of each block's d_ffn hidden neurons:
-rows of W1 and b1, columns of W2 (b2, attention and the model width stay whole, a decision where the paper is vague, docs/methods/fedbkd.md).
+rows of W1 and b1, columns of W2 (b2, attention and the model width stay whole, a decision where the paper is
+vague, docs/methods/fedbkd.md).
 Which neurons: the top-ψ ones (FedBKD's adaptive extraction, ψ = mean² + variance of the GELU activations,
 Eqs. 2-3), a prefix (HeteroFL), a rolling window (FedRolex) or a seeded random subset (FedDrop).
 
@@ -26,19 +27,25 @@ from .errors import ModelError
 SELECTIONS = ("saliency", "prefix", "rolling", "random")
 
 
-def ffn_modules(model: nn.Module) -> "OrderedDict[str, nn.Module]":
+def ffn_modules(model: nn.Module) -> OrderedDict[str, nn.Module]:
     """Name -> module of every FFN with ``fc1``/``act``/``fc2`` (timm ``Mlp``), in forward order."""
-    found = OrderedDict((name, m) for name, m in model.named_modules()
-                        if all(isinstance(getattr(m, a, None), nn.Module) for a in ("fc1", "act", "fc2"))
-                        and isinstance(m.fc1, nn.Linear) and isinstance(m.fc2, nn.Linear))
+    found = OrderedDict(
+        (name, m)
+        for name, m in model.named_modules()
+        if all(isinstance(getattr(m, a, None), nn.Module) for a in ("fc1", "act", "fc2"))
+        and isinstance(m.fc1, nn.Linear)
+        and isinstance(m.fc2, nn.Linear)
+    )
     if not found:
-        raise ModelError(f"{type(model).__name__} has no transformer FFN (fc1/act/fc2) to slice; FedBKD's "
-                         "sub-models need a ViT or Swin backbone")
+        raise ModelError(
+            f"{type(model).__name__} has no transformer FFN (fc1/act/fc2) to slice; FedBKD's "
+            "sub-models need a ViT or Swin backbone"
+        )
     return found
 
 
 @torch.no_grad()
-def ffn_saliency(model: nn.Module, batches: Iterable[torch.Tensor], forward=None) -> "OrderedDict[str, np.ndarray]":
+def ffn_saliency(model: nn.Module, batches: Iterable[torch.Tensor], forward=None) -> OrderedDict[str, np.ndarray]:
     """ψ(m) = α(m)² + γ(m) per FFN hidden neuron (FedBKD Eqs. 2-3): mean and variance of gelu(W1 x + b1)_m
     over every token of every sample the model sees. ``forward`` (default ``model``) runs one batch.
 
@@ -54,6 +61,7 @@ def ffn_saliency(model: nn.Module, batches: Iterable[torch.Tensor], forward=None
             entry[0] += a.shape[0]
             entry[1] = entry[1] + a.sum(0)
             entry[2] = entry[2] + (a * a).sum(0)
+
         return record
 
     handles = [m.act.register_forward_hook(hook(name)) for name, m in modules.items()]
@@ -83,8 +91,15 @@ def kept_count(width: int, capacity: float) -> int:
     return max(1, math.ceil(capacity * width - 1e-9))
 
 
-def select_neurons(width: int, capacity: float, selection: str, *, saliency: np.ndarray | None = None,
-                   round_index: int = 0, seed: int = 0) -> np.ndarray:
+def select_neurons(
+    width: int,
+    capacity: float,
+    selection: str,
+    *,
+    saliency: np.ndarray | None = None,
+    round_index: int = 0,
+    seed: int = 0,
+) -> np.ndarray:
     """Sorted int64 indices of the kept neurons of one FFN of ``width`` hidden neurons.
 
     saliency: the top-ψ ones (ties by index); prefix: the first k (HeteroFL); rolling: k consecutive starting at
@@ -113,8 +128,7 @@ def _narrow(linear: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Ten
         weight, bias = weight[rows], (bias[rows] if bias is not None else None)
     if cols is not None:
         weight = weight[:, cols]
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
-                    dtype=weight.dtype)
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         out.weight.copy_(weight)
         if bias is not None:
@@ -154,9 +168,13 @@ def ffn_slice_axes(name: str, ffn_names: Iterable[str]) -> tuple[str, int] | Non
     return None
 
 
-def covered_merge(global_arrays: Mapping[str, np.ndarray], parts: list[Mapping[str, np.ndarray]],
-                  kept: list[Mapping[str, np.ndarray]], weights: list[float],
-                  ffn_names: Iterable[str]) -> "OrderedDict[str, np.ndarray]":
+def covered_merge(
+    global_arrays: Mapping[str, np.ndarray],
+    parts: list[Mapping[str, np.ndarray]],
+    kept: list[Mapping[str, np.ndarray]],
+    weights: list[float],
+    ffn_names: Iterable[str],
+) -> OrderedDict[str, np.ndarray]:
     """FedBKD's merge: scatter each client's slices back to global indices; every entry becomes
     Σ_k w_k θ_k / Σ_{k covering it} w_k over the clients that cover it, uncovered entries keep their value.
 

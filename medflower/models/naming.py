@@ -11,8 +11,15 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 # peft parameter names below the adapted module (``qkv.lora_A.weight`` -> module ``qkv``).
-PEFT_PARAM_MARKERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
-                      "ia3_l", "fourierft_spectrum")
+PEFT_PARAM_MARKERS = (
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+    "ia3_l",
+    "fourierft_spectrum",
+)
 BOTTLENECK_PREFIX = "adapter_"  # Bottleneck modules are block attributes adapter_attn / adapter_mlp
 _INT = re.compile(r"\d+")
 
@@ -30,7 +37,7 @@ def adapter_module(name: str) -> str | None:
     return ".".join(parts[:-1])
 
 
-def adapter_modules(names: Iterable[str]) -> "OrderedDict[str, list[str]]":
+def adapter_modules(names: Iterable[str]) -> OrderedDict[str, list[str]]:
     """Adapter module -> its parameter names, modules ordered by depth (forward order).
 
     Depth is the tuple of integers in the module name (``layers.1.blocks.0`` -> (1, 0)); within a block
@@ -42,8 +49,9 @@ def adapter_modules(names: Iterable[str]) -> "OrderedDict[str, list[str]]":
         if module is not None:
             groups.setdefault(module, []).append(name)
     keys = list(groups)
-    order = sorted(range(len(keys)), key=lambda i: (tuple(int(n) for n in _INT.findall(keys[i])),
-                                                    _block_position(keys[i]), i))
+    order = sorted(
+        range(len(keys)), key=lambda i: (tuple(int(n) for n in _INT.findall(keys[i])), _block_position(keys[i]), i)
+    )
     return OrderedDict((keys[i], groups[keys[i]]) for i in order)
 
 
@@ -55,8 +63,10 @@ def lowest_adapter_names(names: Iterable[str], layers: int | str) -> list[str]:
     names = list(names)
     groups = adapter_modules(names)
     if not groups:
-        raise ValueError("the model has no adapter parameters to transmit (adapter='none'?); "
-                         "LAT needs adapter lora, ia3 or bottleneck")
+        raise ValueError(
+            "the model has no adapter parameters to transmit (adapter='none'?); "
+            "LAT needs adapter lora, ia3 or bottleneck"
+        )
     chosen = list(groups.values()) if layers == "all" else list(groups.values())[: int(layers)]
     keep = {n for group in chosen for n in group}
     return [n for n in names if n in keep]

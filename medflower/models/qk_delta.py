@@ -42,7 +42,7 @@ class QKDelta(nn.Module):
         update = (self.merged + self.delta()).reshape(2 * self.dim_qk, self.dim_in)
         extra = torch.nn.functional.linear(args[0], update.to(output.dtype))
         qk = output[..., : 2 * self.dim_qk] + extra
-        return torch.cat([qk, output[..., 2 * self.dim_qk:]], dim=-1)
+        return torch.cat([qk, output[..., 2 * self.dim_qk :]], dim=-1)
 
 
 class SpectralQK(QKDelta):
@@ -51,8 +51,10 @@ class SpectralQK(QKDelta):
     def __init__(self, dim_in: int, dim_qk: int, n_frequency: int, scale: float):
         super().__init__(dim_in, dim_qk)
         if not 1 <= n_frequency <= dim_in * dim_qk:
-            raise ModelError(f"n-frequency = {n_frequency} must be in 1..{dim_in * dim_qk} (the coordinates of "
-                             f"a {dim_qk}x{dim_in} matrix)")
+            raise ModelError(
+                f"n-frequency = {n_frequency} must be in 1..{dim_in * dim_qk} (the coordinates of "
+                f"a {dim_qk}x{dim_in} matrix)"
+            )
         self.scale = scale
         self.coefficients = nn.Parameter(torch.zeros(2, n_frequency))  # zero: the model starts as the backbone
         # flat u * dim_in + v; by default peft's random locations (pFedMxF sets its allocation per message)
@@ -97,8 +99,16 @@ class LoRAQK(QKDelta):
         return self.scale * self.lora_B @ self.lora_A
 
 
-def add_qk_adapters(backbone: nn.Module, adapter: str, *, n_frequency: int, fourier_scale: float,
-                    lora_rank: int, lora_alpha: float, backbone_name: str = "") -> None:
+def add_qk_adapters(
+    backbone: nn.Module,
+    adapter: str,
+    *,
+    n_frequency: int,
+    fourier_scale: float,
+    lora_rank: int,
+    lora_alpha: float,
+    backbone_name: str = "",
+) -> None:
     """Add a ``SpectralQK`` (``fourier``) or ``LoRAQK`` (``lora-qk``) to every attention module's fused qkv."""
     found = 0
     for module in list(backbone.modules()):
@@ -114,8 +124,10 @@ def add_qk_adapters(backbone: nn.Module, adapter: str, *, n_frequency: int, four
         qkv.register_forward_hook(delta.hook)
         found += 1
     if not found:
-        raise ModelError(f"adapter {adapter!r} adapts the q and k slices of fused qkv projections, and "
-                         f"{backbone_name or type(backbone).__name__} has none; use a ViT or Swin backbone")
+        raise ModelError(
+            f"adapter {adapter!r} adapts the q and k slices of fused qkv projections, and "
+            f"{backbone_name or type(backbone).__name__} has none; use a ViT or Swin backbone"
+        )
 
 
 def qk_modules(model: nn.Module) -> dict[str, QKDelta]:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .adapted import AdaptedModel, build_backbone_with_adapter, check_num_classes
 from .backbones import backbone_family, resolve_backbone
-from .classifier import AdaptedModel, build_backbone_with_adapter, build_classifier, check_num_classes
 from .errors import ModelError
 from .spec import ModelSpec
 
@@ -33,7 +33,8 @@ class LightDecoder(nn.Module):
         self.proj = nn.Conv2d(in_dim, width, kernel_size=1)
         self.stages = nn.ModuleList(
             nn.Sequential(nn.Conv2d(width, width, kernel_size=3, padding=1), nn.GroupNorm(_GROUPS, width), nn.GELU())
-            for _ in range(upsample_stages))
+            for _ in range(upsample_stages)
+        )
         self.out = nn.Conv2d(width, num_classes, kernel_size=1)
 
     def forward(self, grid: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -51,8 +52,15 @@ class AdaptedSegmenter(AdaptedModel):
     task = "segmentation"
     task_module = "decoder"
 
-    def __init__(self, backbone: nn.Module, decoder: LightDecoder, family: str, adapter_param_names: Iterable[str] = (),
-                 spec: ModelSpec | None = None, weights_source: str = "random"):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        decoder: LightDecoder,
+        family: str,
+        adapter_param_names: Iterable[str] = (),
+        spec: ModelSpec | None = None,
+        weights_source: str = "random",
+    ):
         super().__init__(backbone, adapter_param_names, spec, weights_source)
         self.decoder = decoder
         self.family = family
@@ -64,7 +72,7 @@ class AdaptedSegmenter(AdaptedModel):
         tokens = self.backbone.forward_features(x)
         if self.family == "swin":  # timm Swin returns NHWC
             return tokens.permute(0, 3, 1, 2)
-        tokens = tokens[:, getattr(self.backbone, "num_prefix_tokens", 0):]
+        tokens = tokens[:, getattr(self.backbone, "num_prefix_tokens", 0) :]
         h, w = self.backbone.patch_embed.grid_size
         return tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w)
 
@@ -103,10 +111,3 @@ def _grid_side(backbone: nn.Module, family: str, img_size: int) -> int:
         out = backbone.forward_features(torch.zeros(1, 3, img_size, img_size))
         backbone.train(was_training)
     return int(out.shape[1]) if family == "swin" else int(backbone.patch_embed.grid_size[0])
-
-
-def build_model(spec: ModelSpec, num_classes: int) -> AdaptedModel:
-    """The spec's task model: AdaptedClassifier or AdaptedSegmenter."""
-    if spec.task == "segmentation":
-        return build_segmenter(spec, num_classes)
-    return build_classifier(spec, num_classes)

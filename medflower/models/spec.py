@@ -18,26 +18,26 @@ HEADS = ("linear", "text", "random")
 class ModelSpec:
     """Backbone + adapter configuration; validated on construction (weights files are checked at build time)."""
 
-    backbone: str = "vit-tiny"      # alias (BACKBONE_ALIASES) or any timm model name
-    adapter: str = "lora"           # lora | ia3 | bottleneck | none (head only)
+    backbone: str = "vit-tiny"  # alias (BACKBONE_ALIASES) or any timm model name
+    adapter: str = "lora"  # lora | ia3 | bottleneck | none (head only)
     img_size: int = 32
-    patch_size: int = 0             # 0 = backbone default; ViTs only
-    weights: str = "auto"           # none | auto | path to a local .safetensors/.pth/.pt/.bin file
+    patch_size: int = 0  # 0 = backbone default; ViTs only
+    weights: str = "auto"  # none | auto | path to a local .safetensors/.pth/.pt/.bin file
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    adapter_targets: tuple[str, ...] = ()   # module-name suffixes (or "a,b" string); () = per-family default
+    adapter_targets: tuple[str, ...] = ()  # module-name suffixes (or "a,b" string); () = per-family default
     bottleneck_ratio: float = 0.25
-    n_frequency: int = 3000         # fourier: trainable spectral coefficients per adapted matrix
-    fourier_scale: float = 150.0    # fourier: ΔW = Re(IDFT2(S)) * scale (peft FourierFT's default scaling)
-    seed: int = 0                   # seeds backbone, adapter and head init: same spec -> identical model
-    task: str = "classification"    # classification (linear head) | segmentation (light decoder)
-    head: str = "linear"            # linear | text | random (HEADS); the cosine heads need a class-embedding source:
-    class_embeddings: str = ""      # .npy/.safetensors file [classes, dim], or
-    text_encoder: str = ""          # a local transformers model folder encoding ``class_texts`` (one per class)
+    n_frequency: int = 3000  # fourier: trainable spectral coefficients per adapted matrix
+    fourier_scale: float = 150.0  # fourier: ΔW = Re(IDFT2(S)) * scale (peft FourierFT's default scaling)
+    seed: int = 0  # seeds backbone, adapter and head init: same spec -> identical model
+    task: str = "classification"  # classification (linear head) | segmentation (light decoder)
+    head: str = "linear"  # linear | text | random (HEADS); the cosine heads need a class-embedding source:
+    class_embeddings: str = ""  # .npy/.safetensors file [classes, dim], or
+    text_encoder: str = ""  # a local transformers model folder encoding ``class_texts`` (one per class)
     class_texts: tuple[str, ...] = ()
-    head_tau: float = 0.07          # cosine heads: logits = cos / tau
-    train_projector: bool = False   # cosine heads: P trains (SiFT's 'TrainableProj' ablation)
+    head_tau: float = 0.07  # cosine heads: logits = cos / tau
+    train_projector: bool = False  # cosine heads: P trains (SiFT's 'TrainableProj' ablation)
 
     def __post_init__(self) -> None:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
@@ -47,8 +47,9 @@ class ModelSpec:
         if self.adapter not in ADAPTERS:
             raise ModelError(f"unknown adapter {self.adapter!r}; choose one of {list(ADAPTERS)}")
         if not isinstance(self.weights, str) or not self.weights:
-            raise ModelError(f"weights must be one of {list(WEIGHT_MODES)} or a path to a local weights file, "
-                             f"got {self.weights!r}")
+            raise ModelError(
+                f"weights must be one of {list(WEIGHT_MODES)} or a path to a local weights file, got {self.weights!r}"
+            )
         _check(self.task in TASKS, "task", self.task, f"one of {list(TASKS)}")
         _check(self.head in HEADS, "head", self.head, f"one of {list(HEADS)}")
         _check(self.head_tau > 0, "head_tau", self.head_tau, "> 0")

@@ -32,14 +32,18 @@ def load_class_embeddings(path: str, num_classes: int) -> np.ndarray:
 
         tensors = load_file(str(file))
         if len(tensors) != 1:
-            raise ModelError(f"class-embeddings file {file} holds {len(tensors)} tensors ({sorted(tensors)[:4]}); "
-                             f"it must hold exactly one [classes, dim] tensor")
+            raise ModelError(
+                f"class-embeddings file {file} holds {len(tensors)} tensors ({sorted(tensors)[:4]}); "
+                f"it must hold exactly one [classes, dim] tensor"
+            )
         array = next(iter(tensors.values()))
     else:
         raise ModelError(f"class-embeddings file {file} must end in one of {list(EMBEDDING_SUFFIXES)}")
     if array.ndim != 2 or array.shape[0] != num_classes:
-        raise ModelError(f"class-embeddings file {file} has shape {tuple(array.shape)}; expected one row per class: "
-                         f"[{num_classes}, dim]")
+        raise ModelError(
+            f"class-embeddings file {file} has shape {tuple(array.shape)}; expected one row per class: "
+            f"[{num_classes}, dim]"
+        )
     if not np.isfinite(array).all():
         raise ModelError(f"class-embeddings file {file} has NaN/Inf values")
     return array.astype(np.float32)
@@ -52,13 +56,17 @@ def encode_class_texts(model_dir: str, texts: Sequence[str]) -> np.ndarray:
 
     directory = Path(model_dir).expanduser()
     if not directory.is_dir():
-        raise ModelError(f"text-encoder directory {directory.resolve()} does not exist (a local model folder with "
-                         f"config.json, tokenizer files and weights is needed; nothing is downloaded)")
+        raise ModelError(
+            f"text-encoder directory {directory.resolve()} does not exist (a local model folder with "
+            f"config.json, tokenizer files and weights is needed; nothing is downloaded)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         encoder = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
     except (OSError, ValueError) as err:
-        raise ModelError(f"text-encoder directory {directory}: cannot load a tokenizer and model from it: {err}") from err
+        raise ModelError(
+            f"text-encoder directory {directory}: cannot load a tokenizer and model from it: {err}"
+        ) from err
     batch = tokenizer(list(texts), padding=True, truncation=True, return_tensors="pt")
     return encoder(**batch).last_hidden_state[:, 0].float().numpy()
 
@@ -66,7 +74,7 @@ def encode_class_texts(model_dir: str, texts: Sequence[str]) -> np.ndarray:
 def random_projector(seed: int, out_dim: int, in_dim: int) -> torch.Tensor:
     """P [out_dim, in_dim], N(0, 1/in_dim) entries from ``seed`` alone: every node rebuilds the same matrix."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(out_dim, in_dim, generator=generator) / in_dim ** 0.5
+    return torch.randn(out_dim, in_dim, generator=generator) / in_dim**0.5
 
 
 class CosineHead(nn.Module):
@@ -75,13 +83,19 @@ class CosineHead(nn.Module):
     W is a frozen buffer; P too, unless ``train_projector`` (SiFT's 'trainable-proj' ablation).
     """
 
-    def __init__(self, embeddings: np.ndarray | torch.Tensor, projector: torch.Tensor, tau: float = 0.07,
-                 train_projector: bool = False):
+    def __init__(
+        self,
+        embeddings: np.ndarray | torch.Tensor,
+        projector: torch.Tensor,
+        tau: float = 0.07,
+        train_projector: bool = False,
+    ):
         super().__init__()
         weight = torch.as_tensor(np.asarray(embeddings), dtype=torch.float32)
         if weight.shape[1] != projector.shape[0]:
-            raise ModelError(f"class embeddings have dim {weight.shape[1]} but the projector maps to "
-                             f"{projector.shape[0]}")
+            raise ModelError(
+                f"class embeddings have dim {weight.shape[1]} but the projector maps to {projector.shape[0]}"
+            )
         self.tau = tau
         self.in_features = projector.shape[1]
         self.out_features = weight.shape[0]

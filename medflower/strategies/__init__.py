@@ -1,18 +1,18 @@
-"""Strategy registry: run-config ``strategy`` name -> server half (which names its client half)."""
+"""The strategies. Every module of this package is imported here, and a method module registers its strategy
+classes with ``@register_strategy`` when imported, so adding a method is adding its module
+(docs/adding-a-method.md); nothing else lists methods by name.
 
-from __future__ import annotations
+``STRATEGIES`` maps a run-config ``strategy`` name to its server half (which names its client half).
+"""
 
-from .base import ClientHalf, FederatedStrategy
-from .drift import FedDyn, Scaffold
-from .fedavg import FedAvg, FedProx, Local
-from .fedbkd import Ditto, FedBKD, FedDrop, FedRolex, HeteroFL, SubModelFedProx, SubModelLocal
-from .fedkei import FedKEI
-from .pfedmxf import FedAvgLoRA, FedStack, PFedMxF
-from .sgca import LAT, SGCA
-from .sift import SiFT
+import importlib
+import pkgutil
 
-STRATEGIES: dict[str, type[FederatedStrategy]] = {
-    s.name: s for s in (FedAvg, FedProx, Scaffold, FedDyn, Local, SGCA, LAT, FedKEI, PFedMxF, FedAvgLoRA, FedStack, SiFT,
-                             FedBKD, HeteroFL, FedRolex, FedDrop, SubModelFedProx, SubModelLocal, Ditto)}
+from .client import ClientHalf
+from .registry import STRATEGIES, register_strategy
+from .server import FederatedStrategy
 
-__all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy"]
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy", "register_strategy"]

@@ -25,15 +25,26 @@ parameters); FedDyn sends its exchanged arrays. Both also send n_k.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
 from ..models.arrays import is_running_statistic
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, to_record, \
-    weighted_mean
+from ..options import Option, bad, positive
+from .base import (
+    ArraySpec,
+    ClientHalf,
+    FederatedStrategy,
+    PersonalState,
+    Reply,
+    from_record,
+    register_strategy,
+    to_record,
+    weighted_mean,
+)
 from .fedavg import proximal_term
 
 CONTROL = "control."  # SCAFFOLD's control variates travel as "control.<name>"
@@ -66,12 +77,12 @@ def _tensors(arrays: Mapping[str, np.ndarray], device) -> dict[str, torch.Tensor
     return {k: torch.as_tensor(v, device=device) for k, v in arrays.items()}
 
 
-def _zeros_like(arrays: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+def _zeros_like(arrays: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
     """Zero state for the arrays that have a gradient (running statistics have none)."""
     return OrderedDict((k, np.zeros_like(v)) for k, v in arrays.items() if not is_running_statistic(k))
 
 
-def _mean(arrays: list[Mapping[str, np.ndarray]]) -> "OrderedDict[str, np.ndarray]":
+def _mean(arrays: list[Mapping[str, np.ndarray]]) -> OrderedDict[str, np.ndarray]:
     """The papers' uniform mean over the participating sites."""
     return weighted_mean(arrays, [1.0] * len(arrays))
 
@@ -84,7 +95,7 @@ class ScaffoldClient(ClientHalf):
         rt = self.rt
         received = from_record(message.content["arrays"])
         x = OrderedDict((k, v) for k, v in received.items() if not k.startswith(CONTROL))
-        c = OrderedDict((k[len(CONTROL):], v) for k, v in received.items() if k.startswith(CONTROL))
+        c = OrderedDict((k[len(CONTROL) :], v) for k, v in received.items() if k.startswith(CONTROL))
         state = PersonalState(rt, key="scaffold-control")
         c_i = state.load(before=rt.round) or _zeros_like(x)
         rt.model.set_trainable(x)
@@ -102,6 +113,7 @@ class ScaffoldClient(ClientHalf):
         return self.reply(arrays=arrays, metrics=metrics)
 
 
+@register_strategy
 class Scaffold(FederatedStrategy):
     """SCAFFOLD (option II): x ← x + η_g·mean(Δy), c ← c + (|S|/N)·mean(Δc).
 
@@ -110,9 +122,28 @@ class Scaffold(FederatedStrategy):
 
     name = "scaffold"
     client_half = ScaffoldClient
+    trains_backbone = True
+    options = (
+        Option(
+            "scaffold-global-lr",
+            1.0,
+            "SCAFFOLD server step size eta_g (needs optimizer='sgd', momentum=0)",
+            positive,
+            "scaffold",
+        ),
+    )
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        if cfg.optimizer != "sgd" or cfg.momentum != 0:
+            raise bad(
+                "optimizer",
+                cfg.optimizer,
+                "scaffold's control variates (option II) assume plain SGD "
+                f"steps: use optimizer='sgd' momentum=0 (momentum is {cfg.momentum})",
+            )
+
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         self.control = _zeros_like(self.global_arrays)
 
     def reply_spec(self, node_id: int) -> ArraySpec:
@@ -128,7 +159,9 @@ class Scaffold(FederatedStrategy):
         delta_c = _mean([{k: r.arrays[CONTROL + k] for k in self.control} for r in replies])
         share = len(replies) / max(len(self.nodes), 1)
         for k in self.spec:
-            self.global_arrays[k] = (self.global_arrays[k] + self.cfg.scaffold_global_lr * delta_y[k]).astype(np.float32)
+            self.global_arrays[k] = (self.global_arrays[k] + self.cfg.scaffold_global_lr * delta_y[k]).astype(
+                np.float32
+            )
         for k in self.control:
             self.control[k] = (self.control[k] + share * delta_c[k]).astype(np.float32)
 
@@ -160,6 +193,7 @@ class FedDynClient(ClientHalf):
         return self.reply(arrays=theta, metrics=metrics)
 
 
+@register_strategy
 class FedDyn(FederatedStrategy):
     """FedDyn: h ← h − (α/N)·Σ_S(θ_i − θ), θ ← mean_S(θ_i) − h/α.
 
@@ -168,9 +202,10 @@ class FedDyn(FederatedStrategy):
 
     name = "feddyn"
     client_half = FedDynClient
+    trains_backbone = True
+    options = (Option("feddyn-alpha", 0.01, "FedDyn regulariser alpha", positive, "feddyn"),)
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         self.h = _zeros_like(self.global_arrays)
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:

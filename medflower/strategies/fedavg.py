@@ -7,12 +7,18 @@ never leaves the site). Every strategy sends evaluation metrics on the site's ow
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record
+from ..options import Option, non_negative
+from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record, register_strategy
+
+PROXIMAL_MU = Option(
+    "proximal-mu", 0.01, "FedProx proximal weight mu (fedprox, submodel-fedprox)", non_negative, "fedprox"
+)
 
 
 def proximal_term(model, anchor: Mapping[str, torch.Tensor], mu: float):
@@ -33,17 +39,28 @@ class FedAvgClient(ClientHalf):
         rt = self.rt
         global_arrays = from_record(message.content["arrays"])
         rt.model.set_trainable(global_arrays)
-        extra = None
-        mu = float(rt.config.get("proximal-mu", 0.0))
-        if mu > 0:
-            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in global_arrays.items()}
-            rt.model.to(rt.device)
-            extra = proximal_term(rt.model, anchor, mu)
-        metrics = rt.train_local(extra)
+        metrics = rt.train_local(self.extra_loss(global_arrays))
         metrics["num-examples"] = len(rt.data.train)
         return self.reply(arrays=rt.model.get_trainable(), metrics=metrics)
 
+    def extra_loss(self, global_arrays: Mapping[str, np.ndarray]):
+        """A term added to the local loss (none for FedAvg)."""
+        return None
 
+
+class FedProxClient(FedAvgClient):
+    """FedAvg's client with the proximal term (mu/2)·||θ − θ_global||², mu = run-config proximal-mu."""
+
+    def extra_loss(self, global_arrays: Mapping[str, np.ndarray]):
+        rt = self.rt
+        if rt.cfg.proximal_mu == 0:
+            return None
+        anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in global_arrays.items()}
+        rt.model.to(rt.device)
+        return proximal_term(rt.model, anchor, rt.cfg.proximal_mu)
+
+
+@register_strategy
 class FedAvg(FederatedStrategy):
     """FedAvg (McMahan et al. 2017): θ ← Σ_k n_k θ_k / Σ_k n_k over the trainable arrays.
 
@@ -52,8 +69,10 @@ class FedAvg(FederatedStrategy):
 
     name = "fedavg"
     client_half = FedAvgClient
+    trains_backbone = True
 
 
+@register_strategy
 class FedProx(FedAvg):
     """FedProx: FedAvg aggregation; clients add (mu/2)·||θ − θ_global||² (run-config proximal-mu).
 
@@ -61,9 +80,8 @@ class FedProx(FedAvg):
     """
 
     name = "fedprox"
-
-    def base_config(self, rnd: int, **extra):
-        return super().base_config(rnd, **{"proximal-mu": self.cfg.proximal_mu, **extra})
+    client_half = FedProxClient
+    options = (PROXIMAL_MU,)
 
 
 class LocalClient(ClientHalf):
@@ -85,6 +103,7 @@ class LocalClient(ClientHalf):
         return self.reply(metrics=rt.evaluate_splits())
 
 
+@register_strategy
 class Local(FederatedStrategy):
     """Local training only, no aggregation: the lower bound of collaboration.
 
@@ -94,6 +113,7 @@ class Local(FederatedStrategy):
 
     name = "local"
     client_half = LocalClient
+    trains_backbone = True
 
     def reply_spec(self, node_id: int) -> ArraySpec | None:
         return {}

@@ -4,6 +4,9 @@ One run walks T tasks of C classes (``data/tasks.py``: labels are positions in t
 ``rounds-per-task`` federated rounds each. The model is a frozen backbone whose q and k projections carry
 a trainable update (``models/qk_delta.py``) plus one linear head over every class; after each round every
 site reports its accuracy over all classes seen so far, and ``summary.json`` gets Last and Avg.
+This module is the protocol (both halves and the run-config options); the maths are beside it in ``spectral.py``
+(frequency allocation, union spectrum), ``lora_merge.py`` (the baselines' merges) and ``incremental_heads.py``
+(the classifier), summary.json's and summary.md's per-task accuracy in ``incremental_report.py``.
 
 - ``pfedmxf``: spectral coefficients. The server's ``FrequencyAllocator`` gives every (task, site) its own
   block of ``n-frequency`` coordinates (disjoint modulo conjugate symmetry by default). A site trains its
@@ -37,11 +40,10 @@ What comes to a site: the union spectrum of every allocated coordinate with its 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -50,295 +52,30 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..config import _bad
 from ..data import DataError, make_loader
 from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
 from ..models import build_model
 from ..models.qk_delta import LoRAQK, qk_modules, spectral_delta
-from ..results import incremental_summary
+from ..options import Option, bad, non_negative, one_of, positive
 from ..training import train_epochs
-from .base import ArraySpec, ClientHalf, FederatedStrategy, Reply, derive_seed, from_record, to_record, \
-    validate_arrays, weighted_mean
+from .base import (
+    ArraySpec,
+    ClientHalf,
+    FederatedStrategy,
+    Reply,
+    derive_seed,
+    from_record,
+    register_strategy,
+    to_record,
+    validate_arrays,
+    weighted_mean,
+)
+from .incremental_heads import MaskedLogits, aac_log_probs, frozen_rows, logit_mask, mean_feature, set_block_mean
+from .incremental_report import IncrementalReport, incremental_summary
+from .lora_merge import lora_product, stack_lora
+from .spectral import FrequencyAllocator, SiteBlock, dense_spectrum, plan_capacity, shared_block_mean, union_spectrum
 
 HEAD = ("head.weight", "head.bias")
-
-
-# ----------------------------------------------------------------------------- frequency allocation
-def conjugate(flat: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """Flat index of (−u mod M, −v mod N) for flat indices of (u, v) in an M x N spectrum."""
-    rows, cols = shape
-    u, v = np.divmod(np.asarray(flat, dtype=np.int64), cols)
-    return ((-u) % rows) * cols + (-v) % cols
-
-
-def coordinate_order(shape: tuple[int, int], seed: int, conjugate_aware: bool) -> np.ndarray:
-    """The seeded permutation that blocks are cut from.
-
-    ``conjugate_aware``: one representative (the smaller flat index) per class {(u,v), (−u,−v)}. With the
-    real part kept, Re(IDFT2) of a coefficient at (u,v) and at its conjugate is the same cosine, so blocks
-    of distinct classes give exactly orthogonal ΔW; without it (the paper) two sites can share a basis.
-    """
-    flat = np.arange(shape[0] * shape[1], dtype=np.int64)
-    if conjugate_aware:
-        flat = flat[flat <= conjugate(flat, shape)]
-    rng = np.random.default_rng([seed, shape[0], shape[1], 4004])
-    return rng.permutation(flat)
-
-
-def usable_coordinates(shape: tuple[int, int], conjugate_aware: bool) -> int:
-    """How many coordinates of an M x N spectrum the allocator can hand out (``len(coordinate_order(...))``).
-
-    ``conjugate_aware``: one per class {(u,v), (−u,−v)}, i.e. (M·N + s) / 2 with s the self-conjugate
-    coordinates (u in {0, M/2} and v in {0, N/2}: 4 when M and N are even); else all M·N.
-    """
-    rows, cols = shape
-    if not conjugate_aware:
-        return rows * cols
-    self_conjugate = (2 - rows % 2) * (2 - cols % 2)
-    return (rows * cols + self_conjugate) // 2
-
-
-def largest_n_frequency(capacity: int, sites: int, tasks: int, shared: bool) -> int:
-    """The largest n-frequency, the same for every site, whose plan fits in ``capacity`` positions."""
-    return capacity // (tasks * (1 if shared else max(sites, 1)))
-
-
-@dataclass
-class CapacityPlan:
-    """A run's use of the allocator's positions against the tightest adapted shape's usable coordinates."""
-
-    shape: tuple[int, int]
-    capacity: int
-    need: int
-    per_task: int
-    tasks: int
-    budgets: list[int]
-    shared: bool
-    largest: int
-
-    @property
-    def fits(self) -> bool:
-        return self.need <= self.capacity
-
-
-def plan_capacity(shapes: Sequence[tuple[int, int]], budgets: Sequence[int], tasks: int, conjugate_aware: bool,
-                  shared: bool) -> CapacityPlan:
-    """The positions a whole run takes from every shape's permutation, as ``FrequencyAllocator`` hands them out.
-
-    A block is the same positions of every shape's permutation, so the smallest shape bounds the run. Per task,
-    disjoint blocks take Σ_k n_k positions and ``shared`` blocks (one per task, every site from its start)
-    max_k n_k; every listed site is counted in every task (the worst case when ``fraction-train`` < 1).
-    """
-    shape = min(set(shapes), key=lambda s: (usable_coordinates(s, conjugate_aware), s))
-    capacity = usable_coordinates(shape, conjugate_aware)
-    per_task = max(budgets, default=0) if shared else sum(budgets)
-    return CapacityPlan(shape, capacity, tasks * per_task, per_task, tasks, [int(b) for b in budgets], shared,
-                        largest_n_frequency(capacity, len(budgets), tasks, shared))
-
-
-@dataclass
-class SiteBlock:
-    """A site's coefficients in one task (module name -> [2, n]) and the weight n_k of its last reply
-    (0 until it reports)."""
-
-    coefficients: "OrderedDict[str, np.ndarray]"
-    weight: float = 0.0
-
-
-@dataclass
-class Allocation:
-    """Coordinates ``order[start : start + n]`` of every adapted shape, for one site in one task."""
-
-    task: int
-    client: str
-    partition_id: int
-    start: int
-    n: int
-
-
-class FrequencyAllocator:
-    """Disjoint blocks of coordinates per (task, site) in lexicographic order (``shared``: one per task).
-
-    One permutation per adapted matrix shape; a block is the same positions of every shape's permutation.
-    The allocation table is the strategy's checkpoint (``table()`` / ``restore()``).
-    """
-
-    def __init__(self, shapes: Sequence[tuple[int, int]], seed: int, conjugate_aware: bool, shared: bool = False):
-        self.orders = {shape: coordinate_order(shape, seed, conjugate_aware) for shape in sorted(set(shapes))}
-        self.capacity = min(len(order) for order in self.orders.values())
-        self.shared = shared
-        self.allocations: list[Allocation] = []
-
-    def get(self, task: int, client: str) -> Allocation | None:
-        return next((a for a in self.allocations if a.task == task and a.client == client), None)
-
-    def allocate(self, task: int, client: str, partition_id: int, n: int) -> Allocation:
-        """The site's block for the task (made on first request; ValueError when the coordinates run out)."""
-        if (found := self.get(task, client)) is not None:
-            return found
-        if self.shared:  # every site of a task starts at the task's block; they overlap on min(n) coordinates
-            same_task = [a for a in self.allocations if a.task == task]
-            start = same_task[0].start if same_task else self._end()
-        else:
-            start = self._end()
-        if start + n > self.capacity:
-            raise ValueError(f"frequency allocator: {client} in task {task} needs {n} coordinates from position "
-                             f"{start}, but a {min(self.orders)} matrix has {self.capacity} "
-                             f"{'conjugate classes' if self._halved else 'coordinates'}; lower n-frequency")
-        allocation = Allocation(task, client, partition_id, start, n)
-        self.allocations.append(allocation)
-        return allocation
-
-    @property
-    def _halved(self) -> bool:
-        shape = min(self.orders)
-        return self.capacity < shape[0] * shape[1]
-
-    def _end(self) -> int:
-        return max((a.start + a.n for a in self.allocations), default=0)
-
-    def coords(self, allocation: Allocation, shape: tuple[int, int]) -> np.ndarray:
-        return self.orders[shape][allocation.start:allocation.start + allocation.n]
-
-    def table(self) -> list[dict[str, Any]]:
-        return [asdict(a) for a in self.allocations]
-
-    def restore(self, table: list[dict[str, Any]]) -> None:
-        self.allocations = [Allocation(**row) for row in table]
-
-
-def union_spectrum(coords: Sequence[np.ndarray], values: Sequence[np.ndarray], weights: Sequence[float]
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Scatter every site's coefficients into one sparse spectrum (Eq. 13): sorted coordinates [U] and values
-    [R, U] (R rows per site: q and k, of one or many matrices). A coordinate held by one site keeps its
-    value; one held by several gets their weighted mean."""
-    flat = np.concatenate(coords)
-    unique, inverse = np.unique(flat, return_inverse=True)
-    w = np.concatenate([np.full(len(c), float(wk)) for c, wk in zip(coords, weights)])
-    total = np.zeros((values[0].shape[0], len(unique)))
-    np.add.at(total.T, inverse, (np.concatenate(values, axis=1) * w).T)
-    mass = np.zeros(len(unique))
-    np.add.at(mass, inverse, w)
-    return unique, (total / np.where(mass > 0, mass, 1.0)).astype(np.float32)
-
-
-def shared_block_mean(previous: np.ndarray, values: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """``frequency-sharing='shared'``: Eq. 13 over this round's replies only. Position j of a task's block
-    ([2, L], every site's block starts at position 0 of it) gets the weighted mean of the replies that hold it
-    (``values[k]`` [2, n_k], n_k <= L); a position no reply holds keeps ``previous``. A site that was not
-    sampled or did not answer adds no stale coefficients."""
-    total = np.zeros(previous.shape, np.float64)
-    mass = np.zeros(previous.shape[1], np.float64)
-    for value, weight in zip(values, weights):
-        total[:, :value.shape[1]] += float(weight) * value.astype(np.float64)
-        mass[:value.shape[1]] += float(weight)
-    return np.where(mass > 0, total / np.where(mass > 0, mass, 1.0), previous).astype(np.float32)
-
-
-def dense_spectrum(coords: np.ndarray, values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """[2, M, N] float32 with ``values`` at flat ``coords`` and zero elsewhere."""
-    dense = np.zeros((2, shape[0] * shape[1]), dtype=np.float32)
-    dense[:, coords] = values
-    return dense.reshape(2, *shape)
-
-
-# ----------------------------------------------------------------------------- LoRA aggregation
-def stack_lora(a: Sequence[np.ndarray], b: Sequence[np.ndarray], weights: Sequence[float]
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """FLoRA's stacking (Eq. 7): A = [A_1; ..; A_K] on the rank axis, B = [p_1 B_1, .., p_K B_K].
-
-    ``a``: [2, r_k, d_in] per site, ``b``: [2, d_out, r_k]; then B @ A = Σ_k p_k B_k A_k (Eq. 8), exactly.
-    """
-    p = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
-    return (np.concatenate([x.astype(np.float64) for x in a], axis=1),
-            np.concatenate([pk * x.astype(np.float64) for pk, x in zip(p, b)], axis=2))
-
-
-def lora_product(a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
-    """scale · B @ A for q and k: [2, d_out, d_in] float32."""
-    return (scale * np.matmul(b.astype(np.float64), a.astype(np.float64))).astype(np.float32)
-
-
-# ----------------------------------------------------------------------------- classifier
-def task_prototypes(weight: torch.Tensor, classes_per_task: int, tasks: int) -> torch.Tensor:
-    """μ_t = mean of task t's class weight vectors (rows of the head), [tasks, d]."""
-    return weight[: tasks * classes_per_task].reshape(tasks, classes_per_task, -1).mean(dim=1)
-
-
-def aac_log_probs(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, classes_per_task: int,
-                  tasks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(y|x) over the seen classes (Eq. 18) and the router's log p(t|x) (Eq. 17), both normalised.
-
-    log p(y|x) = log softmax_{y in task t}(φ_t(f)) + log r_t(x), r_t ∝ exp(−‖f − μ_t‖²/2).
-    """
-    logits = (features @ weight[: tasks * classes_per_task].T + bias[: tasks * classes_per_task])
-    within = torch.log_softmax(logits.reshape(len(features), tasks, classes_per_task), dim=2)
-    distances = torch.cdist(features, task_prototypes(weight, classes_per_task, tasks)) ** 2
-    router = torch.log_softmax(-distances / 2, dim=1)
-    return (within + router[:, :, None]).reshape(len(features), -1), router
-
-
-def logit_mask(classifier: str, classes_per_task: int, task: int, width: int) -> torch.Tensor:
-    """Classes a training step's softmax runs over: task t's block (aac, Eq. 16) or every seen class (unified)."""
-    mask = torch.zeros(width, dtype=torch.bool)
-    mask[(task - 1) * classes_per_task if classifier == "aac" else 0: task * classes_per_task] = True
-    return mask
-
-
-def set_block_mean(weight: torch.Tensor, classes_per_task: int, task: int, prototype: torch.Tensor) -> None:
-    """Shift task t's head rows so that their mean, μ_t, is ``prototype`` (in place).
-
-    Adding one vector to every row of a block adds the same logit to each of the task's classes, so the
-    within-task softmax (Eq. 16) is unchanged; only the router (Eq. 17) sees the new μ_t.
-    """
-    rows = slice((task - 1) * classes_per_task, task * classes_per_task)
-    weight[rows] += prototype - weight[rows].mean(dim=0)
-
-
-@contextlib.contextmanager
-def frozen_rows(head: torch.nn.Linear, rows: torch.Tensor) -> Iterator[None]:
-    """Keep the head rows (and biases) of the classes outside a training step's softmax bit-identical.
-
-    Those rows (past and future tasks' classes with ``aac``, future ones with ``unified``) get no gradient
-    from the masked cross-entropy, but weight decay still moves them: AdamW's decoupled term shrinks them by
-    lr·wd per step, Adam's and SGD's L2 term adds wd·w to their zero gradient. Nothing they hold enters the
-    loss, so putting them back after local training is the same as never stepping them.
-    """
-    with torch.no_grad():
-        at = rows.to(head.weight.device)
-        weight, bias = head.weight[at].clone(), head.bias[at].clone()
-    try:
-        yield
-    finally:
-        with torch.no_grad():  # train_epochs may have moved the model
-            at = rows.to(head.weight.device)
-            head.weight[at] = weight.to(head.weight.device)
-            head.bias[at] = bias.to(head.bias.device)
-
-
-@torch.no_grad()
-def mean_feature(model, loader, device: torch.device) -> torch.Tensor:
-    """The mean pooled backbone feature over a loader."""
-    model.eval()
-    total, count = None, 0
-    for x, _ in loader:
-        features = model.features(x.to(device)).float().sum(dim=0)
-        total = features if total is None else total + features
-        count += len(x)
-    return total / count
-
-
-class MaskedLogits(torch.nn.Module):
-    """The model's logits with the classes outside ``mask`` at −inf (their softmax weight is zero)."""
-
-    def __init__(self, model: torch.nn.Module, mask: torch.Tensor):
-        super().__init__()
-        self.model = model
-        self.register_buffer("mask", mask, persistent=False)
-        self.task = "classification"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x).float().masked_fill(~self.mask, float("-inf"))
 
 
 # ----------------------------------------------------------------------------- client half
@@ -353,14 +90,15 @@ class IncrementalClient(ClientHalf):
         return int(self.rt.config["task"])
 
     def split(self, split: str, seen: bool):
-        return incremental_task(getattr(self.rt.data, split), self.class_order(), self.rt.cfg.classes_per_task,
-                                self.task, seen=seen)
+        return incremental_task(
+            getattr(self.rt.data, split), self.class_order(), self.rt.cfg.classes_per_task, self.task, seen=seen
+        )
 
     def load(self, arrays: Mapping[str, np.ndarray], training: bool) -> None:
         """Put the received state (q/k updates and head) into the model."""
         raise NotImplementedError
 
-    def upload(self) -> "OrderedDict[str, np.ndarray]":
+    def upload(self) -> OrderedDict[str, np.ndarray]:
         """What this site sends after training (besides the head)."""
         raise NotImplementedError
 
@@ -371,8 +109,12 @@ class IncrementalClient(ClientHalf):
         train = self.split("train", seen=False)
         metrics: dict[str, float] = {"num-examples": len(train), "task": self.task}
         if len(train) == 0:  # e.g. Dirichlet skew left this site without the task's classes: nothing to learn
-            log(WARNING, "[medflower] %s has no training rows of task %d; it sends its state unchanged",
-                rt.client, self.task)
+            log(
+                WARNING,
+                "[medflower] %s has no training rows of task %d; it sends its state unchanged",
+                rt.client,
+                self.task,
+            )
         else:
             params = model.trainable_parameters()
             heads = [p for n, p in params.items() if n in HEAD]
@@ -384,12 +126,24 @@ class IncrementalClient(ClientHalf):
             torch.manual_seed(rt.seed(2))
             loader = make_loader(train, cfg.batch_size, True, rt.seed(1))
             with frozen_rows(model.head, ~mask):
-                metrics.update(train_epochs(masked, loader, epochs=cfg.local_epochs, optimizer=rt.optimizer(),
-                                            device=rt.device, param_groups=groups))
+                metrics.update(
+                    train_epochs(
+                        masked,
+                        loader,
+                        epochs=cfg.local_epochs,
+                        optimizer=rt.optimizer(),
+                        device=rt.device,
+                        param_groups=groups,
+                    )
+                )
             if cfg.classifier == "aac" and cfg.aac_prototype == "feature-mean":
                 with torch.no_grad():
-                    set_block_mean(model.head.weight, cfg.classes_per_task, self.task,
-                                   mean_feature(model, make_loader(train, cfg.batch_size, False, 0), rt.device))
+                    set_block_mean(
+                        model.head.weight,
+                        cfg.classes_per_task,
+                        self.task,
+                        mean_feature(model, make_loader(train, cfg.batch_size, False, 0), rt.device),
+                    )
         arrays = self.upload()
         arrays.update((k, v) for k, v in model.get_trainable().items() if k in HEAD)
         return self.reply(arrays=arrays, metrics=metrics)
@@ -417,8 +171,12 @@ class IncrementalClient(ClientHalf):
                 scores = model.head(features)[:, : t * c]
             correct += int((scores.argmax(dim=1) == y).sum())
         n = len(test)
-        metrics = {"accuracy": correct / n if n else float("nan"), "n": n, "task": t,
-                   "task_end": int(rt.config.get("task-end", 0))}
+        metrics = {
+            "accuracy": correct / n if n else float("nan"),
+            "n": n,
+            "task": t,
+            "task_end": int(rt.config.get("task-end", 0)),
+        }
         if cfg.classifier == "aac" and n:
             metrics.update(router_accuracy=routed / n, within_task_accuracy=within / n)
         return self.reply(metrics=metrics)
@@ -432,7 +190,8 @@ class PFedMxFClient(IncrementalClient):
         runtime.model_overrides = {"n_frequency": self.n_frequency()}
 
     def n_frequency(self) -> int:
-        """This site's coefficient budget: node-config n-frequency, else pfedmxf-n-frequency[partition], else n-frequency."""
+        """This site's coefficient budget: node-config n-frequency, else pfedmxf-n-frequency[partition], else
+        n-frequency."""
         rt = self.rt
         if rt.context.node_config.get("n-frequency"):
             return int(rt.context.node_config["n-frequency"])
@@ -440,8 +199,10 @@ class PFedMxFClient(IncrementalClient):
         if not per_site:
             return rt.cfg.n_frequency
         if rt.partition_id >= len(per_site):
-            raise DataError(f"run-config pfedmxf-n-frequency lists {len(per_site)} sites but this is partition "
-                            f"{rt.partition_id}; give one value per partition id")
+            raise DataError(
+                f"run-config pfedmxf-n-frequency lists {len(per_site)} sites but this is partition "
+                f"{rt.partition_id}; give one value per partition id"
+            )
         return per_site[rt.partition_id]
 
     def query(self, message: Message) -> RecordDict:
@@ -459,11 +220,19 @@ class PFedMxFClient(IncrementalClient):
                 if shape not in layouts:
                     layouts[shape] = SpectrumLayout.of(arrays, shape, self.task, training)
                 layout, values = layouts[shape], arrays[f"{name}.spectrum"]
-                module.merged.copy_(spectral_delta(torch.as_tensor(
-                    dense_spectrum(layout.coords[layout.past], values[:, layout.past], shape), device=device),
-                    module.scale))
-                module.frozen.copy_(torch.as_tensor(
-                    dense_spectrum(layout.coords[layout.now], values[:, layout.now], shape), device=device))
+                module.merged.copy_(
+                    spectral_delta(
+                        torch.as_tensor(
+                            dense_spectrum(layout.coords[layout.past], values[:, layout.past], shape), device=device
+                        ),
+                        module.scale,
+                    )
+                )
+                module.frozen.copy_(
+                    torch.as_tensor(
+                        dense_spectrum(layout.coords[layout.now], values[:, layout.now], shape), device=device
+                    )
+                )
                 if training:
                     module.coords.copy_(torch.as_tensor(layout.own_coords, device=device))
                     module.coefficients.copy_(torch.as_tensor(values[:, layout.own_positions]))
@@ -471,7 +240,7 @@ class PFedMxFClient(IncrementalClient):
                     module.coefficients.zero_()
         self.rt.model.set_trainable({k: arrays[k] for k in HEAD}, strict=False)
 
-    def upload(self) -> "OrderedDict[str, np.ndarray]":
+    def upload(self) -> OrderedDict[str, np.ndarray]:
         params = self.rt.model.get_trainable()
         return OrderedDict((k, v) for k, v in params.items() if k.endswith(".coefficients"))
 
@@ -488,7 +257,7 @@ class SpectrumLayout:
     own_positions: np.ndarray
 
     @classmethod
-    def of(cls, arrays: Mapping[str, np.ndarray], shape: tuple[int, int], task: int, training: bool) -> "SpectrumLayout":
+    def of(cls, arrays: Mapping[str, np.ndarray], shape: tuple[int, int], task: int, training: bool) -> SpectrumLayout:
         key = shape_key(shape)
         coords, tasks = arrays[f"freq.{key}.coords"], arrays[f"freq.{key}.task"]
         own_coords = arrays[f"freq.{key}.own"] if training else np.zeros(0, np.int64)
@@ -509,7 +278,7 @@ class LoRAClient(IncrementalClient):
                 module.merged.copy_(torch.as_tensor(arrays[f"{name}.merged"]))
         model.set_trainable({k: v for k, v in arrays.items() if not k.endswith(".merged")})
 
-    def upload(self) -> "OrderedDict[str, np.ndarray]":
+    def upload(self) -> OrderedDict[str, np.ndarray]:
         return OrderedDict((k, v) for k, v in self.rt.model.get_trainable().items() if k not in HEAD)
 
 
@@ -518,19 +287,104 @@ def shape_key(shape: tuple[int, int]) -> str:
 
 
 # ----------------------------------------------------------------------------- server half
+def parse_n_frequency_list(v: Any) -> str:
+    """'' or comma-separated integers >= 1 (one per partition id)."""
+    text = str(v).strip()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError("must be empty or comma-separated integers >= 1, one per partition id")
+    return text
+
+
+INCREMENTAL_OPTIONS = (
+    Option("rounds-per-task", 5, "class-incremental runs: federated rounds per task", positive, "incremental"),
+    Option(
+        "classifier",
+        "aac",
+        "class-incremental runs: aac = a head per task + prototype router, unified = one softmax over the seen classes",
+        one_of("aac", "unified"),
+        "incremental",
+    ),
+    Option(
+        "aac-prototype",
+        "feature-mean",
+        "aac: the router's task prototype (mean of the task's head rows) is set "
+        "to the task's mean feature after local training, or left as trained (weights: the paper taken "
+        "literally; it never moves)",
+        one_of("feature-mean", "weights"),
+        "incremental",
+    ),
+    Option(
+        "head-lr",
+        0.0,
+        "class-incremental runs: learning rate of the heads (0 = lr; the paper uses 1e-3 heads, 1e-5 adapter)",
+        non_negative,
+        "incremental",
+    ),
+)
+PFEDMXF_OPTIONS = (
+    Option(
+        "n-frequency", 3000, "pfedmxf: spectral coefficients per adapted matrix, client and task", positive, "pfedmxf"
+    ),
+    Option(
+        "pfedmxf-n-frequency",
+        "",
+        "pfedmxf: per-site n-frequency by partition id, e.g. '3000,1500'; empty = "
+        "n-frequency (a node-config n-frequency wins)",
+        None,
+        "pfedmxf",
+        parse_n_frequency_list,
+    ),
+    Option("fourier-scale", 150.0, "pfedmxf: scale of Re(IDFT2(S)) (peft FourierFT's scaling)", positive, "pfedmxf"),
+    Option(
+        "conjugate-aware",
+        True,
+        "pfedmxf: allocate coordinates disjoint modulo (u,v) ~ (-u,-v), so updates are "
+        "exactly orthogonal; false = the paper",
+        None,
+        "pfedmxf",
+    ),
+    Option(
+        "frequency-sharing",
+        "disjoint",
+        "pfedmxf: disjoint = own coordinates per (site, task); shared = one "
+        "block per task for all sites (the paper's ablation)",
+        one_of("disjoint", "shared"),
+        "pfedmxf",
+    ),
+)
+
+
 class IncrementalStrategy(FederatedStrategy):
     """T tasks x rounds-per-task rounds; heads averaged by n_k; every site evaluated after every round."""
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
+    options = INCREMENTAL_OPTIONS
+    tasks = ("classification",)  # class-incremental tasks
+    report = IncrementalReport  # summary.md: accuracy over the seen classes after every task, Last and Avg
+
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        if cfg.task_order != "sync":
+            raise bad("task-order", cfg.task_order, "class-incremental tasks share one class order (sync)")
+
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
+        cfg, num_classes = self.cfg, self.num_classes
         self.num_tasks = count_incremental_tasks(self.task_class_order(), cfg.classes_per_task, cfg.num_tasks)
         with torch.random.fork_rng(devices=[]):  # the q/k modules' shapes (the arrays do not show them all)
-            self.modules = {name: (m.dim_qk, m.dim_in) for name, m in
-                            qk_modules(build_model(cfg.model_spec(), num_classes)).items()}
+            self.modules = {
+                name: (m.dim_qk, m.dim_in) for name, m in qk_modules(build_model(cfg.model_spec(), num_classes)).items()
+            }
         self.head_spec = OrderedDict((k, self.spec[k]) for k in HEAD)
-        log(INFO, "[medflower] %s (%s classifier): %d tasks x %d classes, %d rounds per task; %d q/k matrices",
-            self.name, cfg.classifier, self.num_tasks, cfg.classes_per_task, cfg.rounds_per_task,
-            2 * len(self.modules))
+        log(
+            INFO,
+            "[medflower] %s (%s classifier): %d tasks x %d classes, %d rounds per task; %d q/k matrices",
+            self.name,
+            cfg.classifier,
+            self.num_tasks,
+            cfg.classes_per_task,
+            cfg.rounds_per_task,
+            2 * len(self.modules),
+        )
 
     def total_rounds(self) -> int:
         return self.num_tasks * self.cfg.rounds_per_task
@@ -542,11 +396,11 @@ class IncrementalStrategy(FederatedStrategy):
         return rnd % self.cfg.rounds_per_task == 0
 
     # ------------------------------------------------------------------ method hooks
-    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+    def model_arrays(self, task: int) -> OrderedDict[str, np.ndarray]:
         """The q/k state every node gets this round (built once per phase; the head is added by the caller)."""
         raise NotImplementedError
 
-    def node_arrays(self, node_id: int, task: int) -> "OrderedDict[str, np.ndarray]":
+    def node_arrays(self, node_id: int, task: int) -> OrderedDict[str, np.ndarray]:
         """What only this node gets for training (pfedmxf: its own coordinates)."""
         return OrderedDict()
 
@@ -563,8 +417,15 @@ class IncrementalStrategy(FederatedStrategy):
         shared = self.model_arrays(task)
         shared.update((k, self.global_arrays[k]) for k in HEAD)
         config = {"task": task, "task-end": int(self.is_task_end(rnd))}
-        return {n: RecordDict({"arrays": to_record({**shared, **(self.node_arrays(n, task) if training else {})}),
-                               "config": self.base_config(rnd, **config)}) for n in nodes}
+        return {
+            n: RecordDict(
+                {
+                    "arrays": to_record({**shared, **(self.node_arrays(n, task) if training else {})}),
+                    "config": self.base_config(rnd, **config),
+                }
+            )
+            for n in nodes
+        }
 
     def run_round(self, grid, rnd: int) -> None:
         task = self.task_of(rnd)
@@ -577,8 +438,9 @@ class IncrementalStrategy(FederatedStrategy):
         learned = [r for r in replies if r.num_examples > 0]
         started = time.monotonic()
         if learned:
-            self.global_arrays.update(weighted_mean([{k: r.arrays[k] for k in HEAD} for r in learned],
-                                                    [r.num_examples for r in learned]))
+            self.global_arrays.update(
+                weighted_mean([{k: r.arrays[k] for k in HEAD} for r in learned], [r.num_examples for r in learned])
+            )
             self.aggregate_updates(rnd, task, learned)
         else:
             log(WARNING, "[medflower] round %d: no site trained task %d; the model is unchanged", rnd, task)
@@ -597,6 +459,7 @@ class IncrementalStrategy(FederatedStrategy):
         return {"classifier": self.cfg.classifier, **incremental_summary(self.recorder.records("eval"))}
 
 
+@register_strategy
 class PFedMxF(IncrementalStrategy):
     """pFedMxF server: frequency allocation, union spectrum, head averaging.
 
@@ -605,11 +468,19 @@ class PFedMxF(IncrementalStrategy):
 
     name = "pfedmxf"
     client_half = PFedMxFClient
+    options = (*INCREMENTAL_OPTIONS, *PFEDMXF_OPTIONS)
+    adapter = "fourier"  # spectral coefficients on the q and k projections
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
-        self.allocator = FrequencyAllocator(list(self.modules.values()), cfg.seed, cfg.conjugate_aware,
-                                            shared=cfg.frequency_sharing == "shared")
+    @classmethod
+    def model_fields(cls, cfg, class_names: list[str]) -> dict[str, Any]:
+        return {"adapter": cls.adapter, "n_frequency": cfg.n_frequency, "fourier_scale": cfg.fourier_scale}
+
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
+        super().setup(initial)
+        cfg = self.cfg
+        self.allocator = FrequencyAllocator(
+            list(self.modules.values()), cfg.seed, cfg.conjugate_aware, shared=cfg.frequency_sharing == "shared"
+        )
         self.blocks: dict[tuple[int, str], SiteBlock] = {}  # (task, client) -> its coefficients and weight
         self.plan_checked = False
 
@@ -621,31 +492,55 @@ class PFedMxF(IncrementalStrategy):
         (with its own budget) in every task, against the usable coordinates of every adapted q/k shape."""
         nodes = self.ordered_nodes()
         budgets = [self.n_frequency(n) for n in nodes]
-        plan = plan_capacity(list(self.modules.values()), budgets, self.num_tasks, self.cfg.conjugate_aware,
-                             self.allocator.shared)
+        plan = plan_capacity(
+            list(self.modules.values()), budgets, self.num_tasks, self.cfg.conjugate_aware, self.allocator.shared
+        )
         rows, cols = plan.shape
-        usable = ("conjugate classes (conjugate-aware=true)" if self.cfg.conjugate_aware
-                  else "coordinates (conjugate-aware=false)")
+        usable = (
+            "conjugate classes (conjugate-aware=true)"
+            if self.cfg.conjugate_aware
+            else "coordinates (conjugate-aware=false)"
+        )
         if plan.fits:
-            log(INFO, "[medflower] pfedmxf plan: %d tasks x %d per task = %d of the %d usable %s of a %dx%d matrix",
-                plan.tasks, plan.per_task, plan.need, plan.capacity, usable, rows, cols)
+            log(
+                INFO,
+                "[medflower] pfedmxf plan: %d tasks x %d per task = %d of the %d usable %s of a %dx%d matrix",
+                plan.tasks,
+                plan.per_task,
+                plan.need,
+                plan.capacity,
+                usable,
+                rows,
+                cols,
+            )
             return
-        key, value = ("pfedmxf-n-frequency", self.cfg.pfedmxf_n_frequency) if self.cfg.pfedmxf_n_frequency \
+        key, value = (
+            ("pfedmxf-n-frequency", self.cfg.pfedmxf_n_frequency)
+            if self.cfg.pfedmxf_n_frequency
             else ("n-frequency", self.cfg.n_frequency)
+        )
         uniform = set(budgets) == {self.cfg.n_frequency} and not self.cfg.pfedmxf_n_frequency  # n-frequency alone
         limit = f"lower n-frequency to at most {plan.largest}"
         if plan.shared:
-            uses = (f"frequency-sharing='shared' takes one block per task as long as the largest budget: "
-                    f"{plan.tasks} tasks x {plan.per_task}")
+            uses = (
+                f"frequency-sharing='shared' takes one block per task as long as the largest budget: "
+                f"{plan.tasks} tasks x {plan.per_task}"
+            )
         elif uniform:
             uses = f"{len(budgets)} sites x {plan.tasks} tasks x {budgets[0]}"
         else:
             sites = ", ".join(f"{self.nodes[n].client}={b}" for n, b in zip(nodes, budgets))
-            uses = (f"the sites' budgets ({sites}; a node-config n-frequency wins) sum to {plan.per_task} per "
-                    f"task; {plan.tasks} tasks x {plan.per_task}")
+            uses = (
+                f"the sites' budgets ({sites}; a node-config n-frequency wins) sum to {plan.per_task} per "
+                f"task; {plan.tasks} tasks x {plan.per_task}"
+            )
             limit += f" for every site, or make the budgets sum to at most {plan.capacity // plan.tasks} per task"
-        raise _bad(key, value, f"{uses} = {plan.need} coordinates needed, but a {rows}x{cols} q/k matrix has "
-                               f"{plan.capacity} usable {usable}; {limit}")
+        raise bad(
+            key,
+            value,
+            f"{uses} = {plan.need} coordinates needed, but a {rows}x{cols} q/k matrix has "
+            f"{plan.capacity} usable {usable}; {limit}",
+        )
 
     def before_round(self, task: int, nodes: list[int]) -> None:
         if not self.plan_checked:  # the first round this process runs: the sites and their budgets are known
@@ -655,8 +550,9 @@ class PFedMxF(IncrementalStrategy):
             info = self.nodes[node_id]
             allocation = self.allocator.allocate(task, info.client, info.partition_id, self.n_frequency(node_id))
             if (task, info.client) not in self.blocks:
-                self.blocks[(task, info.client)] = SiteBlock(OrderedDict(
-                    (name, np.zeros((2, allocation.n), np.float32)) for name in self.modules))
+                self.blocks[(task, info.client)] = SiteBlock(
+                    OrderedDict((name, np.zeros((2, allocation.n), np.float32)) for name in self.modules)
+                )
 
     def union(self, upto_task: int) -> dict[str, Any]:
         """Per shape the sorted union of the allocated coordinates of tasks <= ``upto_task`` with their task,
@@ -668,27 +564,31 @@ class PFedMxF(IncrementalStrategy):
             names = [name for name, module_shape in self.modules.items() if module_shape == shape]
             coords = [self.allocator.coords(a, shape) for a in allocations] or [np.zeros(0, np.int64)]
             tasks = np.concatenate([np.full(a.n, a.task, np.int32) for a in allocations] or [np.zeros(0, np.int32)])
-            rows = [np.concatenate([b.coefficients[name] for name in names]) for b in blocks] \
-                or [np.zeros((2 * len(names), 0), np.float32)]
+            rows = [np.concatenate([b.coefficients[name] for name in names]) for b in blocks] or [
+                np.zeros((2 * len(names), 0), np.float32)
+            ]
             unique, values = union_spectrum(coords, rows, [b.weight for b in blocks] or [0.0])
             first = np.unique(np.concatenate(coords), return_index=True)[1]  # shared blocks belong to one task
             out[f"freq.{shape_key(shape)}.coords"] = unique.astype(np.int64)
             out[f"freq.{shape_key(shape)}.task"] = tasks[first]
-            out.update((f"{name}.spectrum", values[2 * i:2 * i + 2]) for i, name in enumerate(names))
+            out.update((f"{name}.spectrum", values[2 * i : 2 * i + 2]) for i, name in enumerate(names))
         return out
 
-    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+    def model_arrays(self, task: int) -> OrderedDict[str, np.ndarray]:
         return OrderedDict(self.union(task))
 
-    def node_arrays(self, node_id: int, task: int) -> "OrderedDict[str, np.ndarray]":
+    def node_arrays(self, node_id: int, task: int) -> OrderedDict[str, np.ndarray]:
         allocation = self.allocator.get(task, self.nodes[node_id].client)
-        return OrderedDict((f"freq.{shape_key(shape)}.own", self.allocator.coords(allocation, shape).astype(np.int64))
-                           for shape in sorted(set(self.modules.values())))
+        return OrderedDict(
+            (f"freq.{shape_key(shape)}.own", self.allocator.coords(allocation, shape).astype(np.int64))
+            for shape in sorted(set(self.modules.values()))
+        )
 
     def reply_spec(self, node_id: int) -> ArraySpec:
         n = self.n_frequency(node_id)
-        return OrderedDict([*((f"{name}.coefficients", ((2, n), "float32")) for name in self.modules),
-                            *self.head_spec.items()])
+        return OrderedDict(
+            [*((f"{name}.coefficients", ((2, n), "float32")) for name in self.modules), *self.head_spec.items()]
+        )
 
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         if self.allocator.shared:
@@ -696,7 +596,8 @@ class PFedMxF(IncrementalStrategy):
             return
         for reply in replies:
             self.blocks[(task, reply.client)] = SiteBlock(
-                OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules), reply.num_examples)
+                OrderedDict((name, reply.arrays[f"{name}.coefficients"]) for name in self.modules), reply.num_examples
+            )
 
     def merge_shared(self, task: int, replies: list[Reply]) -> None:
         """``frequency-sharing='shared'``: the task's block becomes the n_k-weighted mean of this round's replies
@@ -708,22 +609,27 @@ class PFedMxF(IncrementalStrategy):
         weights = {r.client: r.num_examples for r in replies}
         merged = {}
         for name in self.modules:
-            previous = shared_block_mean(np.zeros((2, length), np.float32), [b.coefficients[name] for b in stored],
-                                         [b.weight for b in stored])  # what union() gives now
-            merged[name] = shared_block_mean(previous, [r.arrays[f"{name}.coefficients"] for r in replies],
-                                             [r.num_examples for r in replies])
+            previous = shared_block_mean(
+                np.zeros((2, length), np.float32), [b.coefficients[name] for b in stored], [b.weight for b in stored]
+            )  # what union() gives now
+            merged[name] = shared_block_mean(
+                previous, [r.arrays[f"{name}.coefficients"] for r in replies], [r.num_examples for r in replies]
+            )
         for allocation, block in zip(holders, stored):
             self.blocks[(task, allocation.client)] = SiteBlock(
-                OrderedDict((name, merged[name][:, :allocation.n].copy()) for name in self.modules),
-                weights.get(allocation.client, block.weight))
+                OrderedDict((name, merged[name][:, : allocation.n].copy()) for name in self.modules),
+                weights.get(allocation.client, block.weight),
+            )
 
     # ------------------------------------------------------------------ persistence
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
         arrays = OrderedDict((k, self.global_arrays[k]) for k in HEAD)
         for (task, client), block in sorted(self.blocks.items()):
             arrays.update((f"coef/{task}/{client}/{name}", value) for name, value in block.coefficients.items())
-        return arrays, {"allocations": self.allocator.table(),
-                        "weights": [[t, c, b.weight] for (t, c), b in sorted(self.blocks.items())]}
+        return arrays, {
+            "allocations": self.allocator.table(),
+            "weights": [[t, c, b.weight] for (t, c), b in sorted(self.blocks.items())],
+        }
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
         head = OrderedDict((k, arrays[k]) for k in HEAD)
@@ -732,11 +638,16 @@ class PFedMxF(IncrementalStrategy):
         self.global_arrays.update(head)
         self.allocator.restore(meta["allocations"])
         weights = {(int(t), str(c)): float(w) for t, c, w in meta["weights"]}
-        self.blocks = {(a.task, a.client): SiteBlock(OrderedDict(
-            (name, np.array(arrays[f"coef/{a.task}/{a.client}/{name}"])) for name in self.modules),
-            weights[(a.task, a.client)]) for a in self.allocator.allocations}
+        self.blocks = {
+            (a.task, a.client): SiteBlock(
+                OrderedDict((name, np.array(arrays[f"coef/{a.task}/{a.client}/{name}"])) for name in self.modules),
+                weights[(a.task, a.client)],
+            )
+            for a in self.allocator.allocations
+        }
 
 
+@register_strategy
 class FedAvgLoRA(IncrementalStrategy):
     """FedAvg-LoRA: A and B averaged separately (Eq. 5); B̄Ā merged at the end of each task, then a fresh LoRA.
 
@@ -745,9 +656,11 @@ class FedAvgLoRA(IncrementalStrategy):
 
     name = "fedavg-lora"
     client_half = LoRAClient
+    adapter = "lora-qk"  # LoRA on the q and k slices only
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
+        super().setup(initial)
+        cfg = self.cfg
         self.lora_names = [k for k in self.spec if k not in HEAD]
         self.scale = cfg.lora_alpha / cfg.lora_rank
         self.merged = OrderedDict((name, np.zeros((2, *shape), np.float32)) for name, shape in self.modules.items())
@@ -761,20 +674,24 @@ class FedAvgLoRA(IncrementalStrategy):
                 self.global_arrays[f"{name}.lora_A"] = module.lora_A.detach().numpy().copy()
                 self.global_arrays[f"{name}.lora_B"] = module.lora_B.detach().numpy().copy()
 
-    def model_arrays(self, task: int) -> "OrderedDict[str, np.ndarray]":
+    def model_arrays(self, task: int) -> OrderedDict[str, np.ndarray]:
         arrays = OrderedDict((f"{name}.merged", value) for name, value in self.merged.items())
         arrays.update((k, self.global_arrays[k]) for k in self.lora_names)
         return arrays
 
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
-        self.global_arrays.update(weighted_mean([{k: r.arrays[k] for k in self.lora_names} for r in replies],
-                                                [r.num_examples for r in replies]))
+        self.global_arrays.update(
+            weighted_mean(
+                [{k: r.arrays[k] for k in self.lora_names} for r in replies], [r.num_examples for r in replies]
+            )
+        )
 
     def end_task(self, task: int) -> None:
         """Merge B̄Ā into the frozen weights, then start the next task from a fresh LoRA."""
         for name in self.modules:
             self.merged[name] = self.merged[name] + lora_product(
-                self.global_arrays[f"{name}.lora_A"], self.global_arrays[f"{name}.lora_B"], self.scale)
+                self.global_arrays[f"{name}.lora_A"], self.global_arrays[f"{name}.lora_B"], self.scale
+            )
         self.fresh_lora(task)
 
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
@@ -787,6 +704,7 @@ class FedAvgLoRA(IncrementalStrategy):
         self.merged = OrderedDict((name, np.array(arrays[f"merged/{name}"])) for name in self.modules)
 
 
+@register_strategy
 class FedStack(FedAvgLoRA):
     """FedStack / FLoRA: stacked p_k B_k and A_k (Eq. 7) give Σ p_k B_k A_k exactly (Eq. 8), merged every round,
     then a fresh LoRA. Here the server ships the merged ΔW of q and k instead of the stacks, so a site that
@@ -800,12 +718,12 @@ class FedStack(FedAvgLoRA):
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         weights = [r.num_examples for r in replies]
         for name in self.modules:
-            a, b = stack_lora([r.arrays[f"{name}.lora_A"] for r in replies],
-                              [r.arrays[f"{name}.lora_B"] for r in replies], weights)
+            a, b = stack_lora(
+                [r.arrays[f"{name}.lora_A"] for r in replies], [r.arrays[f"{name}.lora_B"] for r in replies], weights
+            )
             self.merged[name] = self.merged[name] + lora_product(a, b, self.scale)
         self.stats.extra["stacked_rank"] = sum(r.arrays[self.lora_names[0]].shape[1] for r in replies)
         self.fresh_lora(1000 + rnd)
 
     def end_task(self, task: int) -> None:
         """Nothing left to merge: every round already merged its update."""
-

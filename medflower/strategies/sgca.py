@@ -17,8 +17,9 @@ the same protocol with W_ij = m_j for every i.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from logging import INFO
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,12 +27,76 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
 from ..models import lowest_adapter_names
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, stack_flat, \
-    to_record, unflatten, validate_arrays
+from ..options import Option, non_negative, one_of
+from .base import (
+    ArraySpec,
+    ClientHalf,
+    FederatedStrategy,
+    PersonalState,
+    Reply,
+    from_record,
+    register_strategy,
+    stack_flat,
+    to_record,
+    unflatten,
+    validate_arrays,
+)
 
-METRICS = ("l2", "l1", "cosine", "inner")
-SOLVERS = ("cvxpy", "closed-form")
-DISTANCE_SCALES = ("row-max", "median")
+
+def parse_lat_layers(v: Any) -> int | str:
+    """An integer >= 1 (also as a string) or 'all'."""
+    if v == "all":
+        return "all"
+    if isinstance(v, bool):
+        raise ValueError("must be an integer >= 1 or 'all'")
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise ValueError("must be an integer >= 1 or 'all'") from None
+    if n < 1 or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("must be an integer >= 1 or 'all'")
+    return n
+
+
+METRIC = Option(
+    "sgca-metric",
+    "l2",
+    "sgca: adapter distance (similarities enter as D = -sim)",
+    one_of("l2", "l1", "cosine", "inner"),
+    "sgca",
+)
+DISTANCE_SCALE = Option(
+    "sgca-distance-scale",
+    "row-max",
+    "sgca: how distances are made unit-free; row-max = each row divided by its "
+    "largest entry, median = the whole matrix divided by the median off-diagonal distance (a site far from everyone "
+    "then keeps more of its own adapter)",
+    one_of("row-max", "median"),
+    "sgca",
+)
+SOLVER = Option(
+    "sgca-solver",
+    "cvxpy",
+    "sgca: QP solver; closed-form = projection onto the simplex",
+    one_of("cvxpy", "closed-form"),
+    "sgca",
+)
+METRICS, DISTANCE_SCALES, SOLVERS = METRIC.choices, DISTANCE_SCALE.choices, SOLVER.choices
+OPTIONS = (
+    Option(
+        "lat-layers",
+        1,
+        "sgca/lat: lowest adapter modules that travel (an integer, or 'all')",
+        None,
+        "sgca",
+        parse_lat_layers,
+    ),
+    Option("sgca-alpha", 0.8, "sgca: weight alpha of the distance term in the aggregation QP", non_negative, "sgca"),
+    Option("sgca-beta", 0.01, "sgca: weight beta of the client's -cos(theta, aggregate) term", non_negative, "sgca"),
+    METRIC,
+    DISTANCE_SCALE,
+    SOLVER,
+)
 
 
 # ----------------------------------------------------------------------------- aggregation math (server)
@@ -151,13 +216,15 @@ def cosine_pull(params: Mapping[str, torch.nn.Parameter], aggregate: Mapping[str
 class SGCAClient(ClientHalf):
     """Keeps every trainable array in its personal state; trains with Θ̂_i in place of its lowest adapters."""
 
-    def _received(self, message: Message) -> "OrderedDict[str, np.ndarray]":
+    def _received(self, message: Message) -> OrderedDict[str, np.ndarray]:
         rt = self.rt
         aggregate = from_record(message.content["arrays"])
         expected = lowest_adapter_names(rt.model.trainable_names(), rt.cfg.lat_layers)
         if list(aggregate) != expected:
-            raise ValueError(f"received adapters {list(aggregate)[:3]}... do not match this site's lowest "
-                             f"lat-layers={rt.cfg.lat_layers} adapter modules {expected[:3]}...")
+            raise ValueError(
+                f"received adapters {list(aggregate)[:3]}... do not match this site's lowest "
+                f"lat-layers={rt.cfg.lat_layers} adapter modules {expected[:3]}..."
+            )
         return aggregate
 
     def _load(self, before: int, aggregate: Mapping[str, np.ndarray]) -> None:
@@ -170,7 +237,7 @@ class SGCAClient(ClientHalf):
         rt = self.rt
         aggregate = self._received(message)
         self._load(rt.round, aggregate)
-        beta = float(rt.config.get("sgca-beta", rt.cfg.sgca_beta))
+        beta = self.pull_weight()
         extra = None
         if beta > 0:
             rt.model.to(rt.device)
@@ -187,36 +254,51 @@ class SGCAClient(ClientHalf):
         self._load(rt.round + 1, self._received(message))
         return self.reply(metrics=rt.evaluate_splits())
 
+    def pull_weight(self) -> float:
+        """β of the cosine pull (run-config sgca-beta)."""
+        return self.rt.cfg.sgca_beta
+
+
+class LATClient(SGCAClient):
+    """SGCA's client without the cosine pull: LAT trains on the plain local loss."""
+
+    def pull_weight(self) -> float:
+        return 0.0
+
 
 # ----------------------------------------------------------------------------- server half
+@register_strategy
 class SGCA(FederatedStrategy):
-    """SGCA (FedSCA, Eq. 7 and 10; docs/methods/sgca.md): per-client aggregates of the lowest adapters from a QP over distances.
+    """SGCA (FedSCA, Eq. 7 and 10; docs/methods/sgca.md): per-client aggregates of the lowest adapters from a QP
+    over distances.
 
     Leaves a site: the lowest ``lat-layers`` adapter modules and n_i. Comes back: Θ̂_i, one array set per node.
     """
 
     name = "sgca"
     client_half = SGCAClient
+    options = OPTIONS
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
+        cfg = self.cfg
         self.transmitted = lowest_adapter_names(initial, cfg.lat_layers)
         self.transmitted_spec: OrderedDict[str, tuple[tuple[int, ...], str]] = OrderedDict(
-            (k, self.spec[k]) for k in self.transmitted)
+            (k, self.spec[k]) for k in self.transmitted
+        )
         self.initial_transmitted = OrderedDict((k, np.array(initial[k])) for k in self.transmitted)
         self.aggregates: dict[str, OrderedDict[str, np.ndarray]] = {}  # client name -> Θ̂_i
-        log(INFO, "[medflower] %s: %d of %d trainable arrays travel (lat-layers=%s): %d parameters", self.name,
-            len(self.transmitted), len(self.spec), cfg.lat_layers,
-            sum(int(np.prod(s)) for s, _ in self.transmitted_spec.values()))
+        log(
+            INFO,
+            "[medflower] %s: %d of %d trainable arrays travel (lat-layers=%s): %d parameters",
+            self.name,
+            len(self.transmitted),
+            len(self.spec),
+            cfg.lat_layers,
+            sum(int(np.prod(s)) for s, _ in self.transmitted_spec.values()),
+        )
 
     # --- hooks of the default round
-    def beta(self) -> float:
-        return self.cfg.sgca_beta
-
-    def base_config(self, rnd: int, **extra: Any):
-        return super().base_config(rnd, **{"sgca-beta": self.beta(), **extra})
-
-    def aggregate_for(self, node_id: int) -> "OrderedDict[str, np.ndarray]":
+    def aggregate_for(self, node_id: int) -> OrderedDict[str, np.ndarray]:
         """Θ̂_i of the node's client: its last aggregate, or the shared initial adapters before its first."""
         return self.aggregates.get(self.client_name(node_id), self.initial_transmitted)
 
@@ -247,20 +329,27 @@ class SGCA(FederatedStrategy):
 
     # --- persistence: one Θ̂ per client
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
-        arrays = OrderedDict((f"{client}/{name}", value) for client, agg in sorted(self.aggregates.items())
-                             for name, value in agg.items())
+        arrays = OrderedDict(
+            (f"{client}/{name}", value)
+            for client, agg in sorted(self.aggregates.items())
+            for name, value in agg.items()
+        )
         return arrays, {"clients": sorted(self.aggregates)}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
         self.aggregates = {}
         for client in meta.get("clients", []):
-            agg = OrderedDict((name, np.array(arrays[f"{client}/{name}"])) for name in self.transmitted
-                              if f"{client}/{name}" in arrays)
+            agg = OrderedDict(
+                (name, np.array(arrays[f"{client}/{name}"]))
+                for name in self.transmitted
+                if f"{client}/{name}" in arrays
+            )
             if problem := validate_arrays(agg, self.transmitted_spec):
                 raise ValueError(f"checkpoint aggregate of {client} does not fit this model: {problem}")
             self.aggregates[client] = agg
 
 
+@register_strategy
 class LAT(SGCA):
     """LAT baseline: FedAvg (W_ij = m_j) over the lowest ``lat-layers`` adapters; no cosine pull.
 
@@ -268,9 +357,7 @@ class LAT(SGCA):
     """
 
     name = "lat"
-
-    def beta(self) -> float:
-        return 0.0
+    client_half = LATClient
 
     def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
         return np.tile(m, (len(m), 1))

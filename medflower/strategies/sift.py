@@ -29,35 +29,98 @@ split's C×C confusion counts (``confusion``, integers; no per-sample output).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from logging import INFO, WARNING
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from ..options import Option, bad, fraction_below_one, one_of, positive
 from ..training import OptimizerSpec
-from .base import ClientHalf, FederatedStrategy, derive_seed, from_record, spec_of, to_record
+from .base import ClientHalf, FederatedStrategy, derive_seed, from_record, register_strategy, to_record
 
 SHORT, LONG = "short/", "long/"
+# SiFT's ablations (docs/methods/sift.md) and the head each one builds.
+HEADS = {
+    "full": "text",
+    "single": "text",
+    "trainable-head": "linear",
+    "random-head": "random",
+    "trainable-proj": "text",
+}
+OPTIONS = (
+    Option(
+        "sift-variant",
+        "full",
+        "sift: full, single (no long-term model), trainable-head (a linear head, no "
+        "text), random-head (frozen random W), trainable-proj",
+        one_of(*HEADS),
+        "sift",
+    ),
+    Option(
+        "sift-beta",
+        0.9,
+        "sift: EMA factor of the long-term model, long = beta*long + (1-beta)*short",
+        fraction_below_one,
+        "sift",
+    ),
+    Option("sift-tau", 0.07, "sift: temperature of the cosine logits cos(w_c, P f(x)) / tau", positive, "sift"),
+    Option("sift-lr-first", 0.1, "sift: SGD learning rate in round 1", positive, "sift"),
+    Option(
+        "sift-lr",
+        0.01,
+        "sift: SGD learning rate after round 1 (momentum and weight-decay from the run config)",
+        positive,
+        "sift",
+    ),
+    Option("sift-batch-size", 128, "sift: local batch size", positive, "sift"),
+    Option(
+        "class-embeddings",
+        "",
+        "sift: .npy/.safetensors file with one text-embedding row per class (wins over text-encoder)",
+        None,
+        "sift",
+    ),
+    Option(
+        "text-encoder",
+        "",
+        "sift: local transformers model folder (e.g. BioLinkBERT-large) that encodes "
+        "class-texts; nothing is downloaded",
+        None,
+        "sift",
+    ),
+    Option("class-texts", "", "sift: one text per class, separated by ';' (empty = the class names)", None, "sift"),
+)
 
 
-def ema_update(long: Mapping[str, np.ndarray], short: Mapping[str, np.ndarray],
-               beta: float) -> "OrderedDict[str, np.ndarray]":
+def class_text_list(cfg, class_names: list[str]) -> tuple[str, ...]:
+    """``class-texts`` split on ';', else the class names: what a text encoder embeds, one per class."""
+    texts = tuple(t.strip() for t in cfg.class_texts.split(";") if t.strip())
+    return texts or tuple(class_names)
+
+
+def ema_update(
+    long: Mapping[str, np.ndarray], short: Mapping[str, np.ndarray], beta: float
+) -> OrderedDict[str, np.ndarray]:
     """θ_l ← β·θ_l + (1−β)·θ_s (SiFT Eq. 2) for every array, computed in float64, returned in float32."""
-    return OrderedDict((k, (beta * long[k].astype(np.float64) + (1.0 - beta) * short[k].astype(np.float64))
-                        .astype(np.float32)) for k in long)
+    return OrderedDict(
+        (k, (beta * long[k].astype(np.float64) + (1.0 - beta) * short[k].astype(np.float64)).astype(np.float32))
+        for k in long
+    )
 
 
-def split_pair(arrays: Mapping[str, np.ndarray]) -> tuple["OrderedDict[str, np.ndarray]", "OrderedDict[str, np.ndarray]"]:
+def split_pair(arrays: Mapping[str, np.ndarray]) -> tuple[OrderedDict[str, np.ndarray], OrderedDict[str, np.ndarray]]:
     """(short-term, long-term) arrays with their prefixes removed; the long-term part is empty for 'single'."""
-    short = OrderedDict((k[len(SHORT):], v) for k, v in arrays.items() if k.startswith(SHORT))
-    long = OrderedDict((k[len(LONG):], v) for k, v in arrays.items() if k.startswith(LONG))
+    short = OrderedDict((k[len(SHORT) :], v) for k, v in arrays.items() if k.startswith(SHORT))
+    long = OrderedDict((k[len(LONG) :], v) for k, v in arrays.items() if k.startswith(LONG))
     return short, long
 
 
-def join_pair(short: Mapping[str, np.ndarray], long: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+def join_pair(short: Mapping[str, np.ndarray], long: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
     return OrderedDict([*((SHORT + k, v) for k, v in short.items()), *((LONG + k, v) for k, v in long.items())])
 
 
@@ -78,6 +141,7 @@ class SiFTClient(ClientHalf):
         return self.reply(arrays=join_pair(short, long), metrics=metrics)
 
 
+@register_strategy
 class SiFT(FederatedStrategy):
     """Serial training: the pair visits every site once per round in a seeded cyclic order; no aggregation.
 
@@ -86,12 +150,57 @@ class SiFT(FederatedStrategy):
 
     name = "sift"
     client_half = SiFTClient
+    options = OPTIONS
+    tasks = ("classification",)  # the text-guided head classifies
+    trains_backbone = True
 
-    def __init__(self, cfg, recorder, initial, num_classes):
-        super().__init__(cfg, recorder, initial, num_classes)
-        single = cfg.sift_variant == "single"
-        self.global_arrays = join_pair(initial, {} if single else initial)
-        self.spec = spec_of(self.global_arrays)
+    @classmethod
+    def model_fields(cls, cfg, class_names: list[str]) -> dict[str, Any]:
+        """The head of the variant: a linear one, or the cosine head over class text embeddings."""
+        head = HEADS[cfg.sift_variant]
+        if head == "linear":
+            return {}
+        return dict(
+            head=head,
+            class_embeddings=cfg.class_embeddings,
+            head_tau=cfg.sift_tau,
+            text_encoder="" if cfg.class_embeddings else cfg.text_encoder,
+            class_texts=() if cfg.class_embeddings else class_text_list(cfg, class_names),
+            train_projector=cfg.sift_variant == "trainable-proj",
+        )
+
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        if HEADS[cfg.sift_variant] == "linear":
+            return
+        if not (cfg.class_embeddings or cfg.text_encoder):
+            raise bad(
+                "sift-variant",
+                cfg.sift_variant,
+                "the text-guided head needs class embeddings: set "
+                "'class-embeddings' (a .npy/.safetensors file, one row per class) or 'text-encoder' (a local "
+                "model folder); sift-variant='trainable-head' needs neither",
+            )
+        if not check_paths:
+            return
+        if cfg.class_embeddings and not Path(cfg.class_embeddings).expanduser().is_file():
+            raise bad(
+                "class-embeddings",
+                cfg.class_embeddings,
+                f"file {Path(cfg.class_embeddings).expanduser().resolve()} does not exist",
+            )
+        if not cfg.class_embeddings and not Path(cfg.text_encoder).expanduser().is_dir():
+            raise bad(
+                "text-encoder",
+                cfg.text_encoder,
+                f"folder {Path(cfg.text_encoder).expanduser().resolve()} does not exist",
+            )
+
+    def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The pair (θ_s, θ_l), both the initial model; the short-term one alone for 'single'."""
+        return join_pair(initial, {} if self.cfg.sift_variant == "single" else initial)
+
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         self.order: list[int] = []  # partition ids, the cyclic order
         self.position = 0  # hops done in the round in progress (checkpointed mid-round)
         self.partial: list[dict[str, Any]] = []  # that round's hops so far: client, metrics, bytes, failures
@@ -110,7 +219,7 @@ class SiFT(FederatedStrategy):
             self.order.extend(added)
         return self.order
 
-    def inference_arrays(self) -> "OrderedDict[str, np.ndarray]":
+    def inference_arrays(self) -> OrderedDict[str, np.ndarray]:
         """The model sites evaluate: the long-term model (the short-term one for 'single')."""
         short, long = split_pair(self.global_arrays)
         return long or short
@@ -124,8 +233,13 @@ class SiFT(FederatedStrategy):
         self.position = int(meta.get("position", 0))
         self.partial = list(meta.get("partial", []))
         if self.position:
-            log(INFO, "[medflower] sift: resuming round %d after hop %d of %d", self.completed_rounds + 1,
-                self.position, len(self.order))
+            log(
+                INFO,
+                "[medflower] sift: resuming round %d after hop %d of %d",
+                self.completed_rounds + 1,
+                self.position,
+                len(self.order),
+            )
 
     # ------------------------------------------------------------------ protocol
     def run_round(self, grid: Grid, rnd: int) -> None:
@@ -142,8 +256,10 @@ class SiFT(FederatedStrategy):
             self.hop(grid, rnd, position, node_of.get(order[position]))
         self.position, self.partial = 0, []
         inference = self.inference_arrays()
-        evaluation = {n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
-                      for n in self.ordered_nodes()}
+        evaluation = {
+            n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
+            for n in self.ordered_nodes()
+        }
         self.record_evaluation(rnd, self.exchange(grid, "evaluate", evaluation, rnd))
 
     def hop(self, grid: Grid, rnd: int, position: int, node_id: int | None) -> None:
@@ -165,10 +281,15 @@ class SiFT(FederatedStrategy):
             else:
                 log(WARNING, "[medflower] round %d: %s skipped; the pair goes on unchanged", rnd, client)
         self.position = position + 1
-        self.partial.append({
-            "client": client, "metrics": metrics,
-            "bytes_down": self.stats.bytes_down - before[0], "bytes_up": self.stats.bytes_up - before[1],
-            "failed": self.stats.failed[before[2]:], "rejected": self.stats.rejected[before[3]:],
-        })
+        self.partial.append(
+            {
+                "client": client,
+                "metrics": metrics,
+                "bytes_down": self.stats.bytes_down - before[0],
+                "bytes_up": self.stats.bytes_up - before[1],
+                "failed": self.stats.failed[before[2] :],
+                "rejected": self.stats.rejected[before[3] :],
+            }
+        )
         if self.position < len(self.order):  # the last hop's state is saved by ``run`` with the round
             self.save_checkpoint()

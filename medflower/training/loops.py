@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,7 +99,9 @@ def train_epochs(
 
 
 @torch.no_grad()
-def predict(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+def predict(
+    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device
+) -> tuple[np.ndarray, np.ndarray]:
     """Labels and softmax probabilities over a loader."""
     model.to(device).eval()
     ys, ps = [], []
@@ -110,8 +113,13 @@ def predict(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch
     return np.concatenate(ys), np.concatenate(ps)
 
 
-def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
-             class_names: list[str] | None = None, confusion: bool = False) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    device: torch.device,
+    class_names: list[str] | None = None,
+    confusion: bool = False,
+) -> dict[str, Any]:
     """Classification: loss, accuracy, balanced accuracy, AUC and n, plus with ``confusion`` the flattened C×C
     counts ``confusion`` (for the server's pooled metrics). Segmentation: loss, Dice, IoU, n."""
     if getattr(model, "task", "classification") == "segmentation":
@@ -126,8 +134,9 @@ def evaluate(model: nn.Module, loader: torch.utils.data.DataLoader, device: torc
 
 
 @torch.no_grad()
-def evaluate_segmentation(model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
-                          class_names: list[str] | None = None) -> dict[str, float]:
+def evaluate_segmentation(
+    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device, class_names: list[str] | None = None
+) -> dict[str, float]:
     """Per-image hard Dice and IoU (sigmoid > 0.5) averaged over images, per class and overall; mean loss."""
     model.to(device).eval()
     dices, ious, loss_sum, n = [], [], 0.0, 0
@@ -144,5 +153,8 @@ def evaluate_segmentation(model: nn.Module, loader: torch.utils.data.DataLoader,
         ious.append(iou)
     if n == 0:
         return {"n": 0.0}
-    return {"loss": loss_sum / n, **segmentation_metrics(np.concatenate(dices), np.concatenate(ious), class_names),
-            "n": float(n)}
+    return {
+        "loss": loss_sum / n,
+        **segmentation_metrics(np.concatenate(dices), np.concatenate(ious), class_names),
+        "n": float(n),
+    }

@@ -56,12 +56,16 @@ def check_confusion(values: Any, num_classes: int, n: Any = None) -> tuple[np.nd
     if not isinstance(values, (list, tuple)):
         return None, f"confusion counts are a {type(values).__name__}, not a list"
     if len(values) != num_classes * num_classes:
-        return None, f"{len(values)} confusion counts, expected {num_classes}×{num_classes} = {num_classes ** 2}"
+        return None, f"{len(values)} confusion counts, expected {num_classes}×{num_classes} = {num_classes**2}"
     if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
         return None, "confusion counts are not numbers"
     counts = np.asarray(values, dtype=np.float64)
-    if not np.isfinite(counts).all() or (counts < 0).any() or (counts >= 2 ** 53).any() \
-            or (counts != np.round(counts)).any():
+    if (
+        not np.isfinite(counts).all()
+        or (counts < 0).any()
+        or (counts >= 2**53).any()
+        or (counts != np.round(counts)).any()
+    ):
         return None, "confusion counts must be non-negative finite integers (below 2^53)"
     if isinstance(n, (int, float)) and counts.sum() != n:
         return None, f"confusion counts add up to {counts.sum():.0f}, but the site reports n = {n}"
@@ -75,9 +79,11 @@ def pooled_metrics(confusion: np.ndarray) -> dict[str, float]:
     support = confusion.sum(axis=1)
     present = support > 0
     recall = np.diag(confusion)[present] / support[present]
-    return {"pooled_balanced_accuracy": float(recall.mean()),
-            "pooled_accuracy": float(np.trace(confusion) / support.sum()),
-            "pooled_n": float(support.sum())}
+    return {
+        "pooled_balanced_accuracy": float(recall.mean()),
+        "pooled_accuracy": float(np.trace(confusion) / support.sum()),
+        "pooled_n": float(support.sum()),
+    }
 
 
 def dice_iou_per_image(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,232 @@
+"""The client runtime every strategy shares: one message on one site, its data, model, device and replies.
+
+``ClientHalf`` receives one message with a ``ClientRuntime`` (config, the site's data, the model, the device) and
+returns the reply's RecordDict. Whatever must survive between rounds on a site goes into ``PersonalState``
+(``medflower/strategies/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
+from ..models import AdaptedModel, build_model
+from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
+from .records import derive_seed, from_record, to_record
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_data(spec, partition_id: int, num_partitions: int) -> ClientData:
+    return load_client_data(spec, partition_id, num_partitions)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_model(spec, num_classes: int) -> tuple[AdaptedModel, OrderedDict[str, np.ndarray]]:
+    """A deterministic build and its initial trainable arrays (every handler sets all trainable
+    arrays before use, so reusing the object across messages is a cache, not state)."""
+    model = build_model(spec, num_classes)
+    return model, model.get_trainable()
+
+
+@dataclass
+class ClientRuntime:
+    """Everything a client half needs for one message on one site."""
+
+    cfg: ExperimentConfig
+    context: Context
+    config: dict[str, Any]
+    partition_id: int
+    num_partitions: int
+    data_path: str | None = None
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelSpec fields a client half sets per site
+
+    @classmethod
+    def from_message(cls, message: Message, context: Context, cfg: ExperimentConfig) -> ClientRuntime:
+        """Site identity from the node config: its own ``data-path``, or a ``partition-id`` of shared data."""
+        node = context.node_config
+        config = dict(message.content["config"]) if "config" in message.content.config_records else {}
+        data_path = str(node["data-path"]) if node.get("data-path") else None
+        if data_path is None and cfg.dataset == "site":
+            raise DataError("run-config dataset='site' but this SuperNode's node-config has no data-path")
+        if data_path is not None:
+            # A stable id for seeds and ordering when the site does not give one.
+            name = str(node.get("site-name") or data_path)
+            partition_id = int(node.get("partition-id", zlib.crc32(name.encode()) % 1_000_000))
+            return cls(cfg, context, config, partition_id, 1, data_path)
+        if "partition-id" not in node or "num-partitions" not in node:
+            raise DataError(f"node-config needs data-path, or partition-id and num-partitions (got {dict(node)})")
+        return cls(cfg, context, config, int(node["partition-id"]), int(node["num-partitions"]))
+
+    @property
+    def round(self) -> int:
+        return int(self.config.get("round", 0))
+
+    @functools.cached_property
+    def data(self) -> ClientData:
+        if self.data_path is not None:
+            base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
+            data = _cached_data(site_data_spec(base, self.data_path), 0, 1)
+        else:
+            dataset, index, count = self.cfg.site_dataset(self.partition_id, self.num_partitions)
+            data = _cached_data(self.cfg.data_spec(dataset=dataset), index, count)
+        expected = int(self.config.get("num-classes") or data.num_classes)
+        if data.num_classes > expected:
+            raise DataError(
+                f"{self.data_path or self.cfg.dataset}: this site has {data.num_classes} classes "
+                f"but the run's model has {expected} (run-config num-classes)"
+            )
+        task = getattr(data, "task", "classification")
+        if task != self.cfg.model_task and not self.cfg.site_dataset_list:
+            raise DataError(
+                f"{self.data_path or self.cfg.dataset}: this site holds {task} data but the run "
+                f"trains a {self.cfg.model_task} model (run-config task)"
+            )
+        return data
+
+    @functools.cached_property
+    def _build(self) -> tuple[AdaptedModel, OrderedDict[str, np.ndarray]]:
+        num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
+        spec = dataclasses.replace(
+            self.cfg.model_spec(self.data.class_names), **{"task": self.data.task, **self.model_overrides}
+        )
+        return _cached_model(spec, num_classes)
+
+    @property
+    def model(self) -> AdaptedModel:
+        return self._build[0]
+
+    @property
+    def initial_arrays(self) -> OrderedDict[str, np.ndarray]:
+        """The seeded initial trainable arrays, identical on every site and on the server."""
+        return self._build[1]
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        return pick_device(self.cfg.device)
+
+    @property
+    def client(self) -> str:
+        node = self.context.node_config
+        if self.cfg.site_dataset_list and not node.get("site-name"):
+            return f"client-{self.partition_id}"  # sites of different datasets would share source site names
+        return str(node.get("site-name") or self.data.site or f"client-{self.partition_id}")
+
+    def seed(self, purpose: int = 0) -> int:
+        return derive_seed(self.cfg.seed, self.round, self.partition_id, purpose)
+
+    def loader(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> torch.utils.data.DataLoader:
+        return make_loader(getattr(self.data, split), batch_size or self.cfg.batch_size, shuffle, self.seed(1))
+
+    def optimizer(self) -> OptimizerSpec:
+        """The run's optimizer at this round's learning rate, lr * lr-decay^(round-1)."""
+        lr = self.cfg.lr * self.cfg.lr_decay ** max(self.round - 1, 0)
+        return OptimizerSpec(self.cfg.optimizer, lr, self.cfg.momentum, self.cfg.weight_decay)
+
+    def train_local(
+        self,
+        extra_loss=None,
+        optimizer: OptimizerSpec | None = None,
+        batch_size: int | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> dict[str, float]:
+        """``local-epochs`` of the site's training split on ``model`` (default: the site's model), seeded per site
+        and round."""
+        torch.manual_seed(self.seed(2))
+        return train_epochs(
+            self.model if model is None else model,
+            self.loader("train", shuffle=True, batch_size=batch_size),
+            epochs=self.cfg.local_epochs,
+            optimizer=optimizer or self.optimizer(),
+            device=self.device,
+            extra_loss=extra_loss,
+        )
+
+    def evaluate_splits(
+        self, splits: Iterable[str] = ("val", "test"), model: torch.nn.Module | None = None
+    ) -> dict[str, Any]:
+        """Metrics of ``model`` (default: the site's model): test metrics unprefixed, others as '<split>_<metric>'.
+
+        A classification site also sends its test split's confusion counts (``confusion``, C×C ints) for the
+        server's pooled metrics, unless the sites hold different datasets (``site-datasets``: no shared labels).
+        """
+        out: dict[str, Any] = {}
+        for split in splits:
+            if len(getattr(self.data, split)) == 0:
+                continue
+            metrics = evaluate(
+                self.model if model is None else model,
+                self.loader(split),
+                self.device,
+                self.data.class_names,
+                confusion=split == "test" and not self.cfg.site_dataset_list,
+            )
+            out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
+        return out
+
+    def state_dir(self) -> Path | None:
+        """Folder for this site's persistent state: node-config 'state-dir', else the server's suggestion."""
+        base = self.context.node_config.get("state-dir") or self.config.get("state-dir")
+        if not base:
+            return None
+        run_name = str(self.config.get("run-name", "run"))
+        sub = Path(str(base)) / run_name if self.context.node_config.get("state-dir") else Path(str(base))
+        return sub / f"partition-{self.partition_id}"
+
+
+def _metric_list(values: list | tuple) -> list[int] | list[float]:
+    """A list metric as MetricRecord takes it: ints stay ints (counts), anything else becomes float."""
+    if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in values):
+        return [int(x) for x in values]
+    return [float(x) for x in values]
+
+
+class ClientHalf:
+    """Client half of a method: one method per message category (and custom actions)."""
+
+    def __init__(self, runtime: ClientRuntime):
+        self.rt = runtime
+
+    def query(self, message: Message) -> RecordDict:
+        """Who this site is; nothing about its data but the number of training samples."""
+        return self.reply(metrics={"num-train": len(self.rt.data.train)})
+
+    def train(self, message: Message) -> RecordDict:
+        raise NotImplementedError
+
+    def evaluate(self, message: Message) -> RecordDict:
+        if "arrays" in message.content.array_records:
+            self.rt.model.set_trainable(from_record(message.content["arrays"]))
+        metrics = self.rt.evaluate_splits()
+        return self.reply(metrics=metrics)
+
+    def reply(
+        self, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping[str, Any] | None = None
+    ) -> RecordDict:
+        content = RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {
+                        k: _metric_list(v) if isinstance(v, (list, tuple)) else float(v)
+                        for k, v in (metrics or {}).items()
+                    }
+                ),
+                "info": ConfigRecord({"partition-id": self.rt.partition_id, "client": self.rt.client}),
+            }
+        )
+        if arrays is not None:
+            content["arrays"] = to_record(arrays)
+        return content

@@ -1,0 +1,89 @@
+"""Arrays on the wire: ArrayRecords <-> numpy, array specs, reply validation and the shared array maths."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, RecordDict
+
+ArraySpec = Mapping[str, tuple[tuple[int, ...], str]]
+
+
+def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """A fresh ArrayRecord (never share one between messages)."""
+    record = ArrayRecord()
+    for name, value in arrays.items():
+        record[name] = Array(np.ascontiguousarray(value))
+    return record
+
+
+def from_record(record: ArrayRecord) -> OrderedDict[str, np.ndarray]:
+    return OrderedDict((name, record[name].numpy()) for name in record)
+
+
+def spec_of(arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in arrays.items()}
+
+
+def validate_arrays(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> str | None:
+    """None if ``arrays`` has exactly the expected names, shapes, dtypes and finite values; else why not."""
+    missing = [k for k in expected if k not in arrays]
+    unexpected = [k for k in arrays if k not in expected]
+    if missing or unexpected:
+        return (
+            f"wrong array names (missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]})"
+        )
+    for name, (shape, dtype) in expected.items():
+        value = arrays[name]
+        if tuple(value.shape) != tuple(shape):
+            return f"array {name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+        if str(value.dtype) != dtype:
+            return f"array {name} has dtype {value.dtype}, expected {dtype}"
+        if not np.isfinite(value).all():
+            return f"array {name} has NaN/Inf values"
+    return None
+
+
+def weighted_mean(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) -> OrderedDict[str, np.ndarray]:
+    """Σ_k w_k x_k / Σ_k w_k per array name, in float64, returned in the first reply's dtypes."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    for name, first in arrays[0].items():
+        acc = sum(wk * a[name].astype(np.float64) for wk, a in zip(w, arrays))
+        out[name] = np.asarray(acc, dtype=first.dtype)
+    return out
+
+
+def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
+    """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
+    sizes = [int(np.prod(shape)) for shape, _ in spec.values()]
+    out = np.empty((len(replies), sum(sizes)), dtype=np.float32)
+    for j, arrays in enumerate(replies):
+        offset = 0
+        for name, size in zip(spec, sizes):
+            out[j, offset : offset + size] = np.asarray(arrays[name]).ravel()
+            offset += size
+    return out
+
+
+def unflatten(vector: np.ndarray, spec: ArraySpec) -> OrderedDict[str, np.ndarray]:
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    offset = 0
+    for name, (shape, dtype) in spec.items():
+        size = int(np.prod(shape))
+        out[name] = vector[offset : offset + size].reshape(shape).astype(dtype)
+        offset += size
+    return out
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from integers (run seed, round, partition, purpose)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays a message carries (what the round's bytes_up / bytes_down count)."""
+    return sum(int(a.numpy().nbytes) for rec in content.array_records.values() for a in rec.values())

@@ -1,0 +1,424 @@
+"""The server loop every strategy shares: nodes, messages, reply validation, rounds, checkpoints, byte counts.
+
+``FederatedStrategy`` drives the Grid directly (identify -> train -> aggregate -> evaluate -> checkpoint, round
+by round). Methods override the hooks they need, or ``run_round`` for multi-phase protocols with custom actions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from ..data.tasks import parse_task_classes
+from ..options import Option
+from ..results import RunRecorder, RunReport
+from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
+from .checkpoint import Checkpointer
+from .records import (
+    ArraySpec,
+    derive_seed,
+    from_record,
+    record_bytes,
+    spec_of,
+    to_record,
+    validate_arrays,
+    weighted_mean,
+)
+
+if TYPE_CHECKING:
+    from ..config import ExperimentConfig
+    from .client import ClientHalf
+
+
+@dataclass
+class Reply:
+    """One node's valid reply."""
+
+    node_id: int
+    client: str
+    arrays: OrderedDict[str, np.ndarray]
+    metrics: dict[str, float]
+    config: dict[str, Any]
+
+    @property
+    def num_examples(self) -> float:
+        return float(self.metrics.get("num-examples", 1.0))
+
+
+@dataclass
+class NodeInfo:
+    node_id: int
+    partition_id: int
+    client: str
+    num_train: int
+    extra: dict[str, float] = field(default_factory=dict)  # the rest of its query reply (e.g. pfedmxf's n-frequency)
+
+
+@dataclass
+class RoundStats:
+    bytes_down: int = 0
+    bytes_up: int = 0
+    failed: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    aggregation_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
+
+
+class FederatedStrategy:
+    """Server half of a method; the default protocol is FedAvg-like rounds.
+
+    A method is one subclass, registered with ``@register_strategy``. Its facts are class attributes (below),
+    its own run-config keys are ``options``, its checks of the run config are ``check_config``; it overrides the
+    hooks it needs: ``setup`` (state beyond ``global_arrays``), ``train_content``, ``aggregate_train``,
+    ``evaluate_content``, ``reply_spec``, ``state``/``load_state``, or ``run_round`` for multi-phase protocols.
+    docs/adding-a-method.md walks through it.
+    """
+
+    name: ClassVar[str] = ""
+    client_half: ClassVar[type[ClientHalf] | None] = None
+    # Run-config keys this method (family) reads, declared once here; a key shared by several strategies is one
+    # Option object that each lists.
+    options: ClassVar[tuple[Option, ...]] = ()
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "segmentation")  # model tasks it can train
+    adapter: ClassVar[str | None] = None  # the adapter it always trains (the run's 'adapter' must be left unset)
+    trains_backbone: ClassVar[bool] = False  # may train the whole backbone (adapter='full')
+    mixed_tasks: ClassVar[bool] = False  # shares only the encoder, so sites may hold different tasks (site-datasets)
+    # Message actions beyond train/evaluate/query that the client half answers, e.g. ("train", "fedkei_inner").
+    extra_actions: ClassVar[tuple[tuple[str, str], ...]] = ()
+    round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
+    # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
+    report: ClassVar[type[RunReport]] = RunReport
+
+    @classmethod
+    def model_classes(cls, num_classes: int) -> int:
+        """Output width of the model for a dataset with ``num_classes`` classes (the same, by default)."""
+        return num_classes
+
+    @classmethod
+    def model_fields(cls, cfg: ExperimentConfig, class_names: list[str]) -> dict[str, Any]:
+        """ModelSpec fields the method decides (its adapter, its head); the rest come from the run config."""
+        return {"adapter": cls.adapter} if cls.adapter else {}
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig, check_paths: bool) -> None:
+        """Refuse a run config this method cannot run (raise ``options.bad(key, value, why)``); the generic checks
+        (tasks, adapter, mixed tasks) already ran. ``check_paths``: also check the files it names exist."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, recorder: RunRecorder, initial: Mapping[str, np.ndarray], num_classes: int
+    ):
+        self.cfg = cfg
+        self.recorder = recorder
+        self.num_classes = num_classes
+        shared = self.server_arrays(initial)
+        self.spec = spec_of(shared)
+        self.global_arrays: OrderedDict[str, np.ndarray] = OrderedDict((k, np.array(v)) for k, v in shared.items())
+        self.completed_rounds = 0
+        self.elapsed_s = 0.0
+        self.nodes: dict[int, NodeInfo] = {}
+        self.stats = RoundStats()
+        self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint")
+        self.setup(initial)
+
+    def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The part of the model's initial trainable arrays the server holds (all of them, by default)."""
+        return initial
+
+    def setup(self, initial: Mapping[str, np.ndarray]) -> None:
+        """Method state beyond ``global_arrays`` (control variates, pools, per-client aggregates...)."""
+
+    # ------------------------------------------------------------------ persistence
+    def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
+        """Arrays and JSON meta that define the strategy after a round."""
+        return self.global_arrays, {}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+        problem = validate_arrays(arrays, self.spec) if arrays else None
+        if problem:
+            raise ValueError(f"checkpoint does not fit this model: {problem}")
+        self.global_arrays = OrderedDict((k, np.array(v)) for k, v in arrays.items())
+
+    def save_checkpoint(self) -> None:
+        arrays, meta = self.state()
+        self.checkpointer.save(
+            arrays,
+            {
+                "strategy": self.name,
+                "completed_rounds": self.completed_rounds,
+                "elapsed_s": self.elapsed_s,
+                "config": self.cfg.fingerprint(),
+                "array_order": list(arrays),
+                "strategy_meta": meta,
+            },
+        )
+
+    def restore(self, directory: Path) -> None:
+        arrays, meta = Checkpointer(directory).load()
+        if meta.get("strategy") != self.name:
+            raise ValueError(f"checkpoint in {directory} is from strategy {meta.get('strategy')!r}, not {self.name!r}")
+        differing = {
+            k: (v, meta["config"].get(k)) for k, v in self.cfg.fingerprint().items() if meta["config"].get(k) != v
+        }
+        if differing:
+            key, (now, then) = next(iter(differing.items()))
+            raise ValueError(f"cannot resume: run-config '{key}' is {now!r} now but was {then!r} in {directory}")
+        self.load_state(arrays, meta.get("strategy_meta", {}))
+        self.completed_rounds = int(meta["completed_rounds"])
+        self.elapsed_s = float(meta.get("elapsed_s", 0.0))
+        log(INFO, "[medflower] resumed %s from %s after round %d", self.name, directory, self.completed_rounds)
+
+    # ------------------------------------------------------------------ messaging
+    def base_config(self, rnd: int, **extra: Any) -> ConfigRecord:
+        return ConfigRecord(
+            {
+                "round": rnd,
+                "num-classes": self.num_classes,
+                "model-classes": self.model_classes(self.num_classes),
+                "run-name": self.recorder.run_dir.name,
+                "state-dir": str((self.recorder.run_dir / "client-state").resolve()),
+                **extra,
+            }
+        )
+
+    def exchange(
+        self,
+        grid: Grid,
+        message_type: str,
+        contents: Mapping[int, RecordDict],
+        rnd: int,
+        expect: ArraySpec | Callable[[int], ArraySpec] | None = None,
+    ) -> list[Reply]:
+        """Send one message per node, wait for replies, count bytes, log and drop failures.
+
+        With ``expect`` (one spec, or a function of the node id when nodes send different shapes), a reply
+        whose arrays do not match (names, shapes, dtypes, finite) is rejected: logged with its reason,
+        counted in the round's metrics, left out.
+        """
+        messages = []
+        for node_id, content in contents.items():
+            self.stats.bytes_down += record_bytes(content)
+            messages.append(Message(content=content, dst_node_id=node_id, message_type=message_type, group_id=str(rnd)))
+        if not messages:
+            return []
+        answered: set[int] = set()
+        replies: list[Reply] = []
+        for msg in grid.send_and_receive(messages, timeout=self.cfg.round_timeout):
+            node_id = msg.metadata.src_node_id
+            answered.add(node_id)
+            client = self.client_name(node_id)
+            if msg.has_error():
+                reason = (msg.error.reason or "").strip().splitlines()
+                reason_text = reason[-1] if reason else f"error code {msg.error.code}"
+                log(
+                    WARNING,
+                    "[medflower] %s %d %s: %s failed: %s",
+                    self.round_label,
+                    rnd,
+                    message_type,
+                    client,
+                    reason_text,
+                )
+                self.stats.failed.append(f"{client}: {reason_text}")
+                continue
+            self.stats.bytes_up += record_bytes(msg.content)
+            arrays = from_record(msg.content["arrays"]) if "arrays" in msg.content.array_records else OrderedDict()
+            metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
+            config = dict(msg.content["info"]) if "info" in msg.content.config_records else {}
+            spec = expect(node_id) if callable(expect) else expect
+            if spec is not None and (problem := validate_arrays(arrays, spec)):
+                log(
+                    WARNING,
+                    "[medflower] %s %d %s: rejected reply of %s: %s",
+                    self.round_label,
+                    rnd,
+                    message_type,
+                    client,
+                    problem,
+                )
+                self.stats.rejected.append(f"{client}: {problem}")
+                continue
+            replies.append(Reply(node_id, client, arrays, metrics, config))
+        for node_id in contents:
+            if node_id not in answered:
+                client = self.client_name(node_id)
+                log(
+                    WARNING,
+                    "[medflower] %s %d %s: no reply from %s within %.0fs",
+                    self.round_label,
+                    rnd,
+                    message_type,
+                    client,
+                    self.cfg.round_timeout,
+                )
+                self.stats.failed.append(f"{client}: no reply")
+        return replies
+
+    def client_name(self, node_id: int) -> str:
+        info = self.nodes.get(node_id)
+        return info.client if info else f"node-{node_id}"
+
+    def refresh_nodes(self, grid: Grid, rnd: int) -> None:
+        """Ask nodes not seen before who they are (partition id, site name, training size)."""
+        current = set(grid.get_node_ids())
+        for gone in set(self.nodes) - current:
+            log(WARNING, "[medflower] %s left the federation", self.nodes.pop(gone).client)
+        unknown = sorted(current - set(self.nodes))
+        if not unknown:
+            return
+        contents = {n: RecordDict({"config": self.base_config(rnd)}) for n in unknown}
+        for reply in self.exchange(grid, "query", contents, rnd):
+            info = NodeInfo(
+                reply.node_id,
+                int(reply.config["partition-id"]),
+                str(reply.config["client"]),
+                int(reply.metrics.get("num-train", 0)),
+                reply.metrics,
+            )
+            self.nodes[reply.node_id] = info
+            log(
+                INFO,
+                "[medflower] %s joined (partition %d, %d training samples)",
+                info.client,
+                info.partition_id,
+                info.num_train,
+            )
+
+    def ordered_nodes(self) -> list[int]:
+        """Known nodes sorted by partition id (stable across runs, unlike node ids)."""
+        return [n.node_id for n in sorted(self.nodes.values(), key=lambda n: (n.partition_id, n.client))]
+
+    def sample_nodes(self, rnd: int) -> list[int]:
+        """Seeded sample of ``fraction-train`` of the known nodes (by partition order)."""
+        ordered = self.ordered_nodes()
+        k = max(1, int(round(self.cfg.fraction_train * len(ordered))))
+        if k >= len(ordered):
+            return ordered
+        rng = np.random.default_rng(derive_seed(self.cfg.seed, rnd, 17))
+        return [ordered[i] for i in sorted(rng.choice(len(ordered), size=k, replace=False))]
+
+    # ------------------------------------------------------------------ protocol
+    def wait_for_nodes(self, grid: Grid) -> None:
+        deadline = time.monotonic() + self.cfg.node_wait_timeout
+        while len(list(grid.get_node_ids())) < self.cfg.min_nodes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(list(grid.get_node_ids()))} nodes connected after "
+                    f"{self.cfg.node_wait_timeout:.0f}s; run-config 'min-nodes' = {self.cfg.min_nodes}"
+                )
+            time.sleep(1.0)
+
+    def task_class_order(self) -> list[int]:
+        """The run's class order (``task-classes``) as the server sees it."""
+        return parse_task_classes(self.cfg.task_classes, self.cfg.server_class_names(self.num_classes))
+
+    def total_rounds(self) -> int:
+        """Iterations of ``run``: num-rounds (FedKEI: the number of tasks)."""
+        return self.cfg.num_rounds
+
+    def summary_extra(self) -> dict[str, Any]:
+        """Method-specific entries of summary.json (they may replace the default ``final``)."""
+        return {}
+
+    def run(self, grid: Grid) -> None:
+        """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
+        self.wait_for_nodes(grid)
+        for rnd in range(self.completed_rounds + 1, self.total_rounds() + 1):
+            started = time.monotonic()
+            self.stats = RoundStats()
+            self.refresh_nodes(grid, rnd)
+            if not self.nodes:
+                raise RuntimeError(f"{self.round_label} {rnd}: no node answered; see the warnings above")
+            self.run_round(grid, rnd)
+            self.completed_rounds = rnd
+            round_s = time.monotonic() - started
+            self.elapsed_s += round_s
+            self.recorder.log_server(
+                rnd,
+                bytes_down=self.stats.bytes_down,
+                bytes_up=self.stats.bytes_up,
+                failed=self.stats.failed,
+                rejected=self.stats.rejected,
+                num_failed=len(self.stats.failed),
+                num_rejected=len(self.stats.rejected),
+                aggregation_s=round(self.stats.aggregation_s, 4),
+                round_s=round(round_s, 3),
+                **self.stats.extra,
+            )
+            self.save_checkpoint()
+            log(
+                INFO,
+                "[medflower] %s %d/%d done in %.1fs: %s",
+                self.round_label,
+                rnd,
+                self.total_rounds(),
+                round_s,
+                self.recorder.round_summary(rnd),
+            )
+
+    def run_round(self, grid: Grid, rnd: int) -> None:
+        selected = self.sample_nodes(rnd)
+        contents = {n: self.train_content(rnd, n) for n in selected}
+        replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
+        for reply in replies:
+            self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
+        started = time.monotonic()
+        if replies:
+            self.aggregate_train(rnd, replies)
+        else:
+            log(WARNING, "[medflower] round %d: no valid training reply; the model is unchanged", rnd)
+        self.stats.aggregation_s += time.monotonic() - started
+        contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
+        self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd))
+
+    def record_evaluation(self, rnd: int, replies: list[Reply]) -> None:
+        """Log each site's evaluation and put the pooled metrics of the round into its server record.
+
+        Pooled: the sum of the valid ``confusion`` counts of the sites that answered, i.e. the metric on the
+        union of their test splits (SiFT reports balanced accuracy on one pooled test set). Counts are untrusted:
+        a malformed one is logged, counted as rejected and left out; the site's other metrics are kept.
+        """
+        width = self.model_classes(self.num_classes)
+        total, sites = np.zeros((width, width), dtype=np.int64), 0
+        for reply in replies:
+            metrics = dict(reply.metrics)
+            if CONFUSION in metrics:
+                counts, problem = check_confusion(metrics[CONFUSION], width, metrics.get("n"))
+                if problem:
+                    log(
+                        WARNING,
+                        "[medflower] %s %d evaluate: ignored the counts of %s: %s",
+                        self.round_label,
+                        rnd,
+                        reply.client,
+                        problem,
+                    )
+                    self.stats.rejected.append(f"{reply.client}: {problem}")
+                    del metrics[CONFUSION]
+                else:
+                    total, sites = total + counts, sites + 1
+            self.recorder.log_client(rnd, reply.client, "eval", metrics)
+        if total.sum() > 0:
+            self.stats.extra.update(pooled_metrics(total), pooled_sites=sites)
+
+    def reply_spec(self, node_id: int) -> ArraySpec | None:
+        """Arrays node ``node_id``'s training reply must carry (the same for every node, by default)."""
+        return self.spec
+
+    def train_content(self, rnd: int, node_id: int) -> RecordDict:
+        return RecordDict({"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
+
+    def evaluate_content(self, rnd: int, node_id: int) -> RecordDict:
+        return RecordDict({"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        self.global_arrays = weighted_mean([r.arrays for r in replies], [r.num_examples for r in replies])
