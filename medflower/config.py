@@ -88,6 +88,11 @@ def _site_datasets(v: Any) -> str:
     return text
 
 
+def _seed_check(v: int) -> str | None:
+    """numpy's legacy seeding (used by the data layer's libraries) takes 32-bit seeds only."""
+    return None if 0 <= v < 2**32 else "must be in [0, 2**32)"
+
+
 def _holds_masks(dataset: str) -> bool:
     """True for a segmentation source (masks, not class labels)."""
     return dataset.split(":", 1)[0] in SEGMENTATION_KINDS
@@ -96,7 +101,7 @@ def _holds_masks(dataset: str) -> bool:
 GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("strategy", "fedavg", "federated method (see the methods table)", _RegisteredStrategy()),
     Option("num-rounds", 5, "federated rounds", positive),
-    Option("seed", 0, "seed of data partitioning, model init, client sampling and training", non_negative),
+    Option("seed", 0, "seed of data partitioning, model init, client sampling and training", _seed_check),
     Option(
         "fraction-train", 1.0, "fraction of connected nodes sampled for training each round", unit_interval_open_left
     ),

@@ -7,6 +7,7 @@ validation, ``pyproject.toml``'s defaults check and the generated docs/run-confi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,8 @@ class Option:
         if want is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(self.key, value, "must be a number")
+            if not math.isfinite(value):
+                raise bad(self.key, value, "must be a finite number")
             return float(value)
         if not isinstance(value, str):
             raise bad(self.key, value, "must be a string (quote it: key='value')")

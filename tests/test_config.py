@@ -103,6 +103,12 @@ def test_a_registered_strategy_brings_its_options_facts_and_checks_to_the_run_co
         ("fraction-train", 1.5, ["'fraction-train'", "(0, 1]"]),
         ("num-rounds", "three", ["'num-rounds'", "integer"]),
         ("backbone-weights", "/no/such/file.safetensors", ["'backbone-weights'", "none", "auto"]),
+        ("lr", float("inf"), ["'lr'", "inf", "finite number"]),
+        ("node-wait-timeout", float("inf"), ["'node-wait-timeout'", "finite number"]),
+        ("sgca-alpha", float("nan"), ["'sgca-alpha'", "finite number"]),
+        ("num-rounds", float("inf"), ["'num-rounds'", "integer"]),
+        ("lat-layers", float("inf"), ["'lat-layers'", "integer >= 1 or 'all'"]),
+        ("seed", 2**32, ["'seed'", "4294967296", "[0, 2**32)"]),
     ],
 )
 def test_bad_values_name_key_value_and_choices(key, value, expected):

@@ -51,7 +51,7 @@ def parse_lat_layers(v: Any) -> int | str:
         raise ValueError("must be an integer >= 1 or 'all'")
     try:
         n = int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
         raise ValueError("must be an integer >= 1 or 'all'") from None
     if n < 1 or (isinstance(v, float) and not v.is_integer()):
         raise ValueError("must be an integer >= 1 or 'all'")
