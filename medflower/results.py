@@ -39,10 +39,24 @@ def json_value(value: Any) -> Any:
     return value
 
 
+# The fields a metrics.jsonl record sets itself; a site's metric of the same name is refused (server.py).
+RESERVED_FIELDS = frozenset({"kind", "round", "client", "time"})
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file. A torn last line (the process died while appending it) is left out,
+    so a crashed run can still be summarised and resumed; a broken line before the last is an error."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not a JSON record") from None
+    return records
 
 
 def finite_mean(values: Iterable[Any]) -> float | None:
@@ -68,7 +82,9 @@ class RunRecorder:
             f.write(json.dumps({k: json_value(v) for k, v in record.items()}) + "\n")
 
     def log_client(self, rnd: int, client: str, kind: str, metrics: Mapping[str, float], **extra: Any) -> None:
-        self._append({"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)})
+        record = {"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)}
+        record.update(kind=kind, round=rnd, client=client)  # a metric never overwrites the record's own fields
+        self._append(record)
 
     def log_server(self, rnd: int, **fields: Any) -> None:
         self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})

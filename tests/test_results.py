@@ -4,6 +4,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from medflower.results import RunRecorder, RunReport, summary_markdown
 from medflower.training import auc_score, classification_metrics
@@ -81,3 +82,25 @@ def test_auc_binary_multiclass_and_missing_classes():
     assert math.isnan(auc_score(np.array([1, 1]), probs[:2]))
     m = classification_metrics(y, probs)
     assert m["accuracy"] == 1.0 and m["balanced_accuracy"] == 1.0
+
+
+def test_a_torn_last_line_is_left_out_and_resume_rewrites_the_file(tmp_path):
+    """The process died while appending a record: the run can still be summarised and resumed."""
+    rec = RunRecorder(tmp_path)
+    for rnd in (1, 2):
+        rec.log_client(rnd, "a", "eval", {"auc": 0.5 + rnd / 10})
+    with rec.metrics_path.open("a") as f:
+        f.write('{"kind": "eval", "round": 3, "cli')
+    assert [r["round"] for r in rec.records()] == [1, 2]
+    rec.truncate_after(2)
+    assert rec.metrics_path.read_text().endswith('"auc": 0.7}\n')
+    with rec.metrics_path.open("a") as f:
+        f.write("not json\n" + json.dumps({"kind": "eval", "round": 3, "client": "a"}) + "\n")
+    with pytest.raises(ValueError, match="line 3 is not a JSON record"):
+        rec.records()
+
+
+def test_a_metric_never_overwrites_the_records_own_fields(tmp_path):
+    rec = RunRecorder(tmp_path)
+    rec.log_client(4, "site-a", "train", {"round": 99.0, "client": 1.0, "kind": 2.0, "loss": 0.5})
+    assert rec.records() == [{"kind": "train", "round": 4, "client": "site-a", "loss": 0.5}]

@@ -98,3 +98,25 @@ def test_a_new_run_in_an_existing_folder_starts_over(tiny):
     summary, _ = run_inprocess(config, num_nodes=2)
     assert summary["rounds"] == 1
     assert len(records(run_dir_of(config), "server")) == 1
+
+
+def test_a_reply_with_a_metric_named_like_a_record_field_is_rejected_and_the_run_goes_on(tiny, monkeypatch):
+    """A metric called `round` used to overwrite the record's round: the run failed at its very end and could not
+    be resumed. Now the reply is rejected (logged, counted) and the round goes on with the other sites."""
+    original = fedavg_module.FedAvgClient.train
+
+    def train(self, message):
+        content = original(self, message)
+        if self.rt.partition_id == 1:
+            content["metrics"]["round"] = 99.0
+        return content
+
+    monkeypatch.setattr(fedavg_module.FedAvgClient, "train", train)
+    config = tiny(**{"run-name": "reserved", "num-rounds": 2})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    server = records(run_dir_of(config), "server")
+    assert [r["num_rejected"] for r in server] == [1, 1]
+    assert "metric names ['round'] are reserved" in server[0]["rejected"][0]
+    trained = [(r["round"], r["client"]) for r in records(run_dir_of(config), "train")]
+    assert len(trained) == 4 and all(rnd in (1, 2) for rnd, _ in trained)
+    assert summary["rounds"] == 2 and summary["communication"]["rejected_replies"] == 2

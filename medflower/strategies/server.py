@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 
 from ..data.tasks import parse_task_classes
 from ..options import Option
-from ..results import RunRecorder, RunReport
+from ..results import RESERVED_FIELDS, RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
 from .checkpoint import Checkpointer
 from .records import (
@@ -72,6 +72,12 @@ class RoundStats:
     rejected: list[str] = field(default_factory=list)
     aggregation_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
+
+
+def reserved_metric_names(metrics: Mapping[str, Any]) -> str | None:
+    """Why a reply's metrics cannot be recorded (a name that would overwrite a record's own field), or None."""
+    clash = sorted(set(metrics) & RESERVED_FIELDS)
+    return f"metric names {clash} are reserved for the record's own fields" if clash else None
 
 
 class FederatedStrategy:
@@ -235,7 +241,10 @@ class FederatedStrategy:
             metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
             config = dict(msg.content["info"]) if "info" in msg.content.config_records else {}
             spec = expect(node_id) if callable(expect) else expect
-            if spec is not None and (problem := validate_arrays(arrays, spec)):
+            problem = reserved_metric_names(metrics)
+            if problem is None and spec is not None:
+                problem = validate_arrays(arrays, spec)
+            if problem:
                 log(
                     WARNING,
                     "[medflower] %s %d %s: rejected reply of %s: %s",
