@@ -229,18 +229,19 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
 )
 GENERIC_GROUPS = ("run", "data", "tasks", "model", "train")
+GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
 
 
 def all_options() -> tuple[Option, ...]:
-    """The generic options, then every registered strategy's own, each key once (in registration order)."""
+    """The generic options, then every registered strategy's own, each key once (in registration order).
+
+    The registry already refuses a key two strategies declare differently; here a strategy's key may not take a
+    generic key's name."""
     options = {o.key: o for o in GENERIC_OPTIONS}
     for name, cls in STRATEGIES.items():
         for option in cls.options:
-            if option.key in options and options[option.key] is not option:
-                raise ConfigError(
-                    f"strategy {name!r} declares run-config key {option.key!r} that is already "
-                    "declared elsewhere; reuse that Option object"
-                )
+            if option.key in GENERIC_KEYS:
+                raise ConfigError(f"strategy {name!r} declares run-config key {option.key!r}, a generic key")
             options[option.key] = option
     return tuple(options.values())
 

@@ -82,9 +82,7 @@ class RunRecorder:
             f.write(json.dumps({k: json_value(v) for k, v in record.items()}) + "\n")
 
     def log_client(self, rnd: int, client: str, kind: str, metrics: Mapping[str, float], **extra: Any) -> None:
-        record = {"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)}
-        record.update(kind=kind, round=rnd, client=client)  # a metric never overwrites the record's own fields
-        self._append(record)
+        self._append({"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)})
 
     def log_server(self, rnd: int, **fields: Any) -> None:
         self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})

@@ -58,6 +58,15 @@ def test_the_registry_refuses_a_taken_name_a_missing_client_half_and_a_key_decla
             type("Twice", (FederatedStrategy,), {"name": "twice", "client_half": FedAvgClient, "options": (twice,)})
         )
     assert set(scratch_registry) == set(STRATEGIES) and "twice" not in STRATEGIES
+    register_strategy(
+        type(
+            "Generic",
+            (FederatedStrategy,),
+            {"name": "generic", "client_half": FedAvgClient, "options": (Option("lr", 1.0, "another lr"),)},
+        )
+    )
+    with pytest.raises(ConfigError, match="strategy 'generic' declares run-config key 'lr', a generic key"):
+        defaults()
 
 
 def test_a_registered_strategy_brings_its_options_facts_and_checks_to_the_run_config(scratch_registry):

@@ -98,9 +98,3 @@ def test_a_torn_last_line_is_left_out_and_resume_rewrites_the_file(tmp_path):
         f.write("not json\n" + json.dumps({"kind": "eval", "round": 3, "client": "a"}) + "\n")
     with pytest.raises(ValueError, match="line 3 is not a JSON record"):
         rec.records()
-
-
-def test_a_metric_never_overwrites_the_records_own_fields(tmp_path):
-    rec = RunRecorder(tmp_path)
-    rec.log_client(4, "site-a", "train", {"round": 99.0, "client": 1.0, "kind": 2.0, "loss": 0.5})
-    assert rec.records() == [{"kind": "train", "round": 4, "client": "site-a", "loss": 0.5}]
