@@ -112,6 +112,19 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
     Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
     Option(
+        "overwrite",
+        False,
+        "start over in a run folder that already holds a run (deletes its metrics, checkpoints and client state); "
+        "without it such a folder is refused unless resume-from names it",
+    ),
+    Option("keep-checkpoints", 3, "checkpoints kept in the run folder (the newest valid one is resumed)", positive),
+    Option(
+        "site-registry",
+        "",
+        "TOML file mapping each site name to its node id (the id 'flwr supernode register' printed for its key); "
+        "a node whose claimed site name does not match is refused. Empty = no registry",
+    ),
+    Option(
         "site-datasets",
         "",
         "dataset per partition id, comma-separated (e.g. 'synthetic-seg,synthetic-seg,synthetic'); sites with "
@@ -146,6 +159,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"
     ),
     Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
+    Option(
+        "class-names",
+        "",
+        "comma-separated class names in index order, fixed for the run: with dataset='site' each site maps its "
+        "labels onto them (a label outside them is an error); empty = the source's names (dataset='site': "
+        "integer labels 0..num-classes-1)",
+        None,
+        "data",
+    ),
     Option(
         "num-classes",
         0,
@@ -227,8 +249,22 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
     Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
+    Option(
+        "max-client-share",
+        1.0,
+        "cap of one site's share of any weighted aggregate (the excess goes to the others in proportion); 1 = no cap",
+        unit_interval_open_left,
+        "replies",
+    ),
+    Option(
+        "reply-value-limit",
+        1e6,
+        "largest absolute value a site's reply may carry in an array or metric; a reply beyond it is rejected",
+        positive,
+        "replies",
+    ),
 )
-GENERIC_GROUPS = ("run", "data", "tasks", "model", "train")
+GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies")
 GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
 
 
@@ -350,9 +386,18 @@ class ExperimentConfig:
         for dataset in self.split_datasets:
             if why := unsupported_partition(dataset, self.partition):
                 raise bad("partition", self.partition, why)
-        if self.dataset == "site" and self.num_classes == 0:
+        names = self.class_name_list
+        if names and self.dataset != "site":
+            raise bad("class-names", self.class_names, "is for dataset='site'; other sources name their classes")
+        if len(set(names)) != len(names):
+            raise bad("class-names", self.class_names, "lists a name twice")
+        if names and self.num_classes not in (0, len(names)):
+            raise bad("num-classes", self.num_classes, f"class-names lists {len(names)} classes")
+        if self.dataset == "site" and self.num_classes == 0 and not names:
             raise bad(
-                "num-classes", 0, "dataset='site' reads data only on the sites, so the server needs num-classes > 0"
+                "num-classes",
+                0,
+                "dataset='site' reads data only on the sites, so the server needs num-classes > 0 or class-names",
             )
         method.check_config(self, check_paths)
         if check_paths:
@@ -410,11 +455,21 @@ class ExperimentConfig:
         group = [p for p, entry in enumerate(entries) if entry == entries[partition_id]]
         return entries[partition_id], group.index(partition_id), len(group)
 
+    @property
+    def class_name_list(self) -> list[str]:
+        """``class-names`` as a list (empty when unset)."""
+        return [n.strip() for n in self.class_names.split(",") if n.strip()]
+
+    @property
+    def site_num_classes(self) -> int:
+        """With dataset='site': the run's classes (num-classes, else the length of class-names)."""
+        return self.num_classes or len(self.class_name_list)
+
     def server_class_names(self, num_classes: int) -> list[str]:
-        """The class names as the server sees them: with dataset='site' they live on the sites only, so
-        indices stand in for them."""
+        """The class names as the server sees them: with dataset='site', class-names, else indices (the names
+        live on the sites only)."""
         if self.dataset == "site":
-            return [str(i) for i in range(num_classes)]
+            return self.class_name_list or [str(i) for i in range(num_classes)]
         return describe_source(self.data_spec())[1]
 
     # ----- views for the layers
