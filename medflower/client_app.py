@@ -1,9 +1,17 @@
-"""ClientApp: routes each message to the client half of the run's strategy."""
+"""ClientApp: routes each message to the client half of the run's strategy.
+
+What a failing site sends back is redacted: the error's kind and the phase, never its message (which may name
+files, paths or label values). The full error goes to the site's own log; node-config ``share-error-detail=true``
+sends it to the server as well, for debugging.
+"""
 
 from __future__ import annotations
 
+from logging import ERROR
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 
 from .config import ExperimentConfig
 from .strategies import STRATEGIES
@@ -12,14 +20,32 @@ from .strategies.client import ClientRuntime
 app = ClientApp()
 
 
+class SiteError(RuntimeError):
+    """What the server learns of a failure on a site (its message is all that leaves the site)."""
+
+
+def shares_error_detail(context: Context) -> bool:
+    return str(context.node_config.get("share-error-detail", "false")).lower() in ("true", "1", "yes")
+
+
 def handle(message: Message, context: Context) -> Message:
     """Build the site's runtime and call ``<category>`` or ``<action>`` on the method's client half."""
-    cfg = ExperimentConfig.from_run_config(context.run_config, check_paths=False)
-    runtime = ClientRuntime.from_message(message, context, cfg)
-    half = cfg.strategy_class.client_half(runtime)
-    category, _, action = message.metadata.message_type.partition(".")
-    handler = getattr(half, action or category)
-    return Message(handler(message), reply_to=message)
+    try:
+        cfg = ExperimentConfig.from_run_config(context.run_config, check_paths=False)
+        runtime = ClientRuntime.from_message(message, context, cfg)
+        half = cfg.strategy_class.client_half(runtime)
+        category, _, action = message.metadata.message_type.partition(".")
+        handler = getattr(half, action or category)
+        return Message(handler(message), reply_to=message)
+    except Exception as err:
+        kind = type(err).__name__
+        log(ERROR, "[medflower] %s failed on this site: %s: %s", message.metadata.message_type, kind, err, exc_info=err)
+        if shares_error_detail(context):
+            raise SiteError(f"{kind}: {err}") from err
+        raise SiteError(
+            f"{kind} in {message.metadata.message_type} (the message stays in the site's log; node-config "
+            "share-error-detail=true sends it)"
+        ) from None
 
 
 app.query()(handle)

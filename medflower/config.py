@@ -34,6 +34,7 @@ from .options import (
 from .strategies import STRATEGIES
 from .strategies.registry import strategies_with
 from .strategies.server import FederatedStrategy
+from .strategies.site_registry import SiteRegistry
 
 __all__ = ["ConfigError", "ExperimentConfig", "Option", "all_options", "defaults", "run_config_markdown"]
 
@@ -402,6 +403,8 @@ class ExperimentConfig:
         method.check_config(self, check_paths)
         if check_paths:
             self.check_data_paths()
+            if self.site_registry:
+                SiteRegistry.load(self.site_registry)
 
     def check_data_paths(self) -> None:
         """Fail early when the run config names data that is not there."""

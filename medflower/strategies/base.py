@@ -1,6 +1,8 @@
 """What every strategy shares, by concern (Flower keeps its strategy base, helpers and result types apart too):
 
-- ``records.py``: arrays <-> ArrayRecords, array specs, reply validation, the shared array maths;
+- ``records.py``: arrays <-> ArrayRecords, array specs, the shared array maths (weighted means, capped shares);
+- ``replies.py``: the one checking step every reply goes through (records, identity, metrics, arrays, bytes);
+- ``site_registry.py``: the operator's registry binding site names to node ids;
 - ``checkpoint.py``: the server's checkpoint store and each site's personal state;
 - ``server.py``: ``FederatedStrategy``, the server loop (nodes, messages, rounds, checkpoints, byte counts);
 - ``client.py``: ``ClientRuntime`` and ``ClientHalf``, one message on one site;
@@ -24,6 +26,7 @@ from .records import (
     weighted_mean,
 )
 from .registry import STRATEGIES, register_strategy
+from .replies import RejectedReply, count_check
 from .server import FederatedStrategy, NodeInfo, Reply, RoundStats
 
 __all__ = [
@@ -34,9 +37,11 @@ __all__ = [
     "ClientRuntime",
     "FederatedStrategy",
     "NodeInfo",
+    "RejectedReply",
     "PersonalState",
     "Reply",
     "RoundStats",
+    "count_check",
     "derive_seed",
     "from_record",
     "record_bytes",

@@ -157,7 +157,7 @@ class Scaffold(FederatedStrategy):
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
         delta_y = _mean([{k: r.arrays[k] for k in self.spec} for r in replies])
         delta_c = _mean([{k: r.arrays[CONTROL + k] for k in self.control} for r in replies])
-        share = len(replies) / max(len(self.nodes), 1)
+        share = len(replies) / max(self.federation_size, 1)
         for k in self.spec:
             self.global_arrays[k] = (self.global_arrays[k] + self.cfg.scaffold_global_lr * delta_y[k]).astype(
                 np.float32
@@ -209,7 +209,7 @@ class FedDyn(FederatedStrategy):
         self.h = _zeros_like(self.global_arrays)
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
-        alpha, total = self.cfg.feddyn_alpha, max(len(self.nodes), 1)
+        alpha, total = self.cfg.feddyn_alpha, max(self.federation_size, 1)
         mean = _mean([r.arrays for r in replies])
         self.global_arrays.update((k, mean[k]) for k in self.spec if k not in self.h)  # running statistics
         for k in self.h:

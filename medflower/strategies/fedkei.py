@@ -271,7 +271,8 @@ class FedKEI(FederatedStrategy):
     """FedKEI server: knowledge pool, k-means++ clusters, the β step; one iteration of ``run`` per task.
 
     Leaves a site: its module θ_i^t after every task (adapter + head) and n_i; in the bi-level phase
-    its gradients w.r.t. the K cluster modules. ``fedkei-variant`` picks full, A, B, C, rand or fedavg-init.
+    its gradients w.r.t. the K cluster modules; with each task's metrics its test size and number of positive
+    test images (n_test, n_test_positive). ``fedkei-variant`` picks full, A, B, C, rand or fedavg-init.
     """
 
     name = "fedkei"
@@ -344,7 +345,7 @@ class FedKEI(FederatedStrategy):
         if task == 1 or variant == "rand" or len(self.pool) == 0:  # the sites start fresh (``start_from``)
             arrays = None
         elif variant == "fedavg-init":
-            arrays = weighted_mean(self.pool.modules, [e.num_examples for e in self.pool.entries])
+            arrays = weighted_mean(self.pool.modules, self.shares([e.num_examples for e in self.pool.entries]))
         else:
             started = time.monotonic()
             pools = {part: self.pool.matrix(spec) for part, spec in self.parts.items()}

@@ -63,6 +63,7 @@ from .base import (
     ClientHalf,
     FederatedStrategy,
     Reply,
+    count_check,
     derive_seed,
     from_record,
     register_strategy,
@@ -431,6 +432,7 @@ class IncrementalStrategy(FederatedStrategy):
         task = self.task_of(rnd)
         nodes = self.sample_nodes(rnd)
         self.before_round(task, nodes)
+        nodes = [n for n in nodes if n in self.nodes]  # before_round may refuse a site
         contents = self.contents(nodes, rnd, training=True)
         replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
         for reply in replies:
@@ -439,7 +441,9 @@ class IncrementalStrategy(FederatedStrategy):
         started = time.monotonic()
         if learned:
             self.global_arrays.update(
-                weighted_mean([{k: r.arrays[k] for k in HEAD} for r in learned], [r.num_examples for r in learned])
+                weighted_mean(
+                    [{k: r.arrays[k] for k in HEAD} for r in learned], self.shares([r.num_examples for r in learned])
+                )
             )
             self.aggregate_updates(rnd, task, learned)
         else:
@@ -463,7 +467,8 @@ class IncrementalStrategy(FederatedStrategy):
 class PFedMxF(IncrementalStrategy):
     """pFedMxF server: frequency allocation, union spectrum, head averaging.
 
-    Leaves a site: its own coefficients (2 x n_k per attention block), the head and n_k.
+    Leaves a site: its own coefficients (2 x n_k per attention block), the head and n_k; with the default
+    aac-prototype='feature-mean' the head's current-task rows are the site's mean feature of that task.
     """
 
     name = "pfedmxf"
@@ -482,10 +487,70 @@ class PFedMxF(IncrementalStrategy):
             list(self.modules.values()), cfg.seed, cfg.conjugate_aware, shared=cfg.frequency_sharing == "shared"
         )
         self.blocks: dict[tuple[int, str], SiteBlock] = {}  # (task, client) -> its coefficients and weight
-        self.plan_checked = False
+        self.plan_checked: frozenset[int] = frozenset()  # the nodes whose budgets the plan was checked for
 
     def n_frequency(self, node_id: int) -> int:
         return int(self.nodes[node_id].extra.get("n-frequency", self.cfg.n_frequency))
+
+    def configured_budget(self, partition_id: int) -> int:
+        """The budget the run config gives a partition (pfedmxf-n-frequency, else n-frequency)."""
+        per_site = [int(p) for p in self.cfg.pfedmxf_n_frequency.split(",") if p.strip()]
+        return per_site[partition_id] if partition_id < len(per_site) else self.cfg.n_frequency
+
+    def fits(self, budgets: list[int]) -> bool:
+        modules = list(self.modules.values())
+        return plan_capacity(modules, budgets, self.num_tasks, self.cfg.conjugate_aware, self.allocator.shared).fits
+
+    def check_reply_values(self, phase: str, reply: Reply) -> str | None:
+        """A query's n-frequency (a site's own budget, node-config n-frequency) is a positive integer that fits
+        the q/k matrices on its own."""
+        if problem := super().check_reply_values(phase, reply):
+            return problem
+        if phase == "query" and "n-frequency" in reply.metrics:
+            if count_check(reply.metrics, "n-frequency") or reply.metrics["n-frequency"] < 1:
+                return "n-frequency must be a positive integer"
+            if not self.fits([int(reply.metrics["n-frequency"])]):
+                return f"n-frequency {int(reply.metrics['n-frequency'])} does not fit the q/k matrices even alone"
+        return None
+
+    def refuse_until_fits(self, candidates: list[int], why: str) -> None:
+        """Refuse ``candidates`` (last first) until the known sites' blocks fit together: one site cannot stop the
+        run. Nothing is refused when refusing all of them would not make the plan fit (a run-config problem)."""
+        rest = [n for n in self.ordered_nodes() if n not in candidates]
+        if not candidates or not self.fits([self.n_frequency(n) for n in rest]):
+            return
+        for node_id in reversed(candidates):
+            if self.fits([self.n_frequency(n) for n in self.ordered_nodes()]):
+                return
+            info = self.nodes.pop(node_id)
+            self.reject(
+                self.completed_rounds + 1,
+                "plan",
+                info.client,
+                f"{why} makes the sites' blocks exceed the q/k matrices; refused",
+            )
+
+    def drop_raised_budgets(self) -> None:
+        """When the known sites' budgets do not fit together, refuse the sites that raised their own budget above
+        the run config's (node-config n-frequency), if that makes the plan fit: one site cannot stop the run."""
+        nodes = self.ordered_nodes()
+        raised = [n for n in nodes if self.n_frequency(n) > self.configured_budget(self.nodes[n].partition_id)]
+        rest = [n for n in nodes if n not in raised]
+        if (
+            not raised
+            or self.fits([self.n_frequency(n) for n in nodes])
+            or not self.fits([self.n_frequency(n) for n in rest])
+        ):
+            return
+        for node_id in raised:
+            info = self.nodes.pop(node_id)
+            self.reject(
+                self.completed_rounds + 1,
+                "plan",
+                info.client,
+                f"its node-config n-frequency {info.extra.get('n-frequency')} makes the sites' blocks exceed the q/k "
+                "matrices; refused",
+            )
 
     def check_plan(self) -> None:
         """Refuse, before round 1 sends anything to train, a run whose blocks would not fit: every known site
@@ -543,10 +608,16 @@ class PFedMxF(IncrementalStrategy):
         )
 
     def before_round(self, task: int, nodes: list[int]) -> None:
-        if not self.plan_checked:  # the first round this process runs: the sites and their budgets are known
-            self.check_plan()
-            self.plan_checked = True
-        for node_id in nodes:  # lexicographic (task, partition id): nodes come in partition order
+        if self.plan_checked != set(self.nodes):  # the sites and their budgets are known (again)
+            nodes_now = self.ordered_nodes()
+            raised = [n for n in nodes_now if self.n_frequency(n) > self.configured_budget(self.nodes[n].partition_id)]
+            self.refuse_until_fits(raised, "its node-config n-frequency")
+            if self.plan_checked:  # a site that joined later must fit beside the others
+                self.refuse_until_fits([n for n in nodes_now if n not in self.plan_checked], "joining")
+            else:  # before round 1: a plan the run config makes too large is a config error
+                self.check_plan()
+            self.plan_checked = frozenset(self.nodes)
+        for node_id in [n for n in nodes if n in self.nodes]:  # lexicographic (task, partition id): partition order
             info = self.nodes[node_id]
             allocation = self.allocator.allocate(task, info.client, info.partition_id, self.n_frequency(node_id))
             if (task, info.client) not in self.blocks:
@@ -613,7 +684,9 @@ class PFedMxF(IncrementalStrategy):
                 np.zeros((2, length), np.float32), [b.coefficients[name] for b in stored], [b.weight for b in stored]
             )  # what union() gives now
             merged[name] = shared_block_mean(
-                previous, [r.arrays[f"{name}.coefficients"] for r in replies], [r.num_examples for r in replies]
+                previous,
+                [r.arrays[f"{name}.coefficients"] for r in replies],
+                self.shares([r.num_examples for r in replies]),
             )
         for allocation, block in zip(holders, stored):
             self.blocks[(task, allocation.client)] = SiteBlock(
@@ -682,7 +755,8 @@ class FedAvgLoRA(IncrementalStrategy):
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
         self.global_arrays.update(
             weighted_mean(
-                [{k: r.arrays[k] for k in self.lora_names} for r in replies], [r.num_examples for r in replies]
+                [{k: r.arrays[k] for k in self.lora_names} for r in replies],
+                self.shares([r.num_examples for r in replies]),
             )
         )
 
@@ -716,7 +790,7 @@ class FedStack(FedAvgLoRA):
     name = "fedstack"
 
     def aggregate_updates(self, rnd: int, task: int, replies: list[Reply]) -> None:
-        weights = [r.num_examples for r in replies]
+        weights = list(self.shares([r.num_examples for r in replies]))
         for name in self.modules:
             a, b = stack_lora(
                 [r.arrays[f"{name}.lora_A"] for r in replies], [r.arrays[f"{name}.lora_B"] for r in replies], weights

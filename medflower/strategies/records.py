@@ -57,6 +57,24 @@ def weighted_mean(arrays: list[Mapping[str, np.ndarray]], weights: list[float]) 
     return out
 
 
+def capped_shares(weights: list[float] | np.ndarray, cap: float = 1.0) -> np.ndarray:
+    """w_k / Σw with no share above ``cap``: the excess of a capped site goes to the others in proportion to their
+    weights (repeated until none exceeds it). Weights are checked counts or spreads (finite, >= 0); all zero, or a
+    cap below 1/K, gives equal shares."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.size == 0:
+        return w
+    if w.sum() <= 0 or cap * w.size <= 1.0:
+        return np.full(w.size, 1.0 / w.size)
+    shares = w / w.sum()
+    capped = np.zeros(w.size, dtype=bool)
+    while (shares > cap + 1e-12).any():
+        capped |= shares > cap
+        free = np.where(capped, 0.0, w if w[~capped].sum() > 0 else 1.0)  # zero-weight rest: equal parts
+        shares = np.where(capped, cap, (1.0 - cap * capped.sum()) * free / free.sum())
+    return shares
+
+
 def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
     """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
     sizes = [int(np.prod(shape)) for shape, _ in spec.values()]
@@ -85,5 +103,13 @@ def derive_seed(*parts: int) -> int:
 
 
 def record_bytes(content: RecordDict) -> int:
-    """Bytes of the arrays a message carries (what the round's bytes_up / bytes_down count)."""
-    return sum(int(a.numpy().nbytes) for rec in content.array_records.values() for a in rec.values())
+    """Bytes of the array values a message carries (what the round's bytes_up / bytes_down count), from the
+    arrays' metadata: nothing is decoded (a reply is counted before it is checked)."""
+    total = 0
+    for record in content.array_records.values():
+        for array in record.values():
+            try:
+                total += int(np.dtype(array.dtype).itemsize) * int(np.prod([int(n) for n in array.shape]))
+            except (TypeError, ValueError):
+                total += len(array.data)
+    return total

@@ -6,6 +6,7 @@ by round). Methods override the hooks they need, or ``run_round`` for multi-phas
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -21,19 +22,21 @@ from flwr.serverapp import Grid
 
 from ..data.tasks import parse_task_classes
 from ..options import Option
-from ..results import RESERVED_FIELDS, RunRecorder, RunReport
+from ..results import RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
 from .checkpoint import Checkpointer
 from .records import (
     ArraySpec,
+    capped_shares,
     derive_seed,
-    from_record,
     record_bytes,
     spec_of,
     to_record,
     validate_arrays,
     weighted_mean,
 )
+from .replies import RejectedReply, check_reply, count_check
+from .site_registry import SiteRegistry
 
 if TYPE_CHECKING:
     from ..config import ExperimentConfig
@@ -52,7 +55,17 @@ class Reply:
 
     @property
     def num_examples(self) -> float:
+        """n_k, the aggregation weight a site declares (checked: a count, at most its declared training size)."""
         return float(self.metrics.get("num-examples", 1.0))
+
+    @property
+    def partition_id(self) -> int:
+        return int(self.config["partition-id"])
+
+    @property
+    def client_claim(self) -> str:
+        """The site name the reply declares (``client`` is the name the server knows the node by)."""
+        return str(self.config["client"])
 
 
 @dataclass
@@ -72,12 +85,6 @@ class RoundStats:
     rejected: list[str] = field(default_factory=list)
     aggregation_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
-
-
-def reserved_metric_names(metrics: Mapping[str, Any]) -> str | None:
-    """Why a reply's metrics cannot be recorded (a name that would overwrite a record's own field), or None."""
-    clash = sorted(set(metrics) & RESERVED_FIELDS)
-    return f"metric names {clash} are reserved for the record's own fields" if clash else None
 
 
 class FederatedStrategy:
@@ -132,8 +139,10 @@ class FederatedStrategy:
         self.completed_rounds = 0
         self.elapsed_s = 0.0
         self.nodes: dict[int, NodeInfo] = {}
+        self.federation_size = 0  # N: the nodes known when the round started (a node rejected in it still counts)
         self.stats = RoundStats()
         self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint")
+        self.registry = SiteRegistry.load(cfg.site_registry) if cfg.site_registry else None
         self.setup(initial)
 
     def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -204,11 +213,12 @@ class FederatedStrategy:
         rnd: int,
         expect: ArraySpec | Callable[[int], ArraySpec] | None = None,
     ) -> list[Reply]:
-        """Send one message per node, wait for replies, count bytes, log and drop failures.
+        """Send one message per node, wait for replies, count bytes, and keep only the replies that pass the checks.
 
-        With ``expect`` (one spec, or a function of the node id when nodes send different shapes), a reply
-        whose arrays do not match (names, shapes, dtypes, finite) is rejected: logged with its reason,
-        counted in the round's metrics, left out.
+        Every reply of every phase goes through ``replies.check_reply`` (records, identity, metrics, and the arrays
+        of ``expect``: one spec, or a function of the node id when nodes send different shapes; None = no arrays)
+        and then this strategy's ``check_reply_values``. A reply that fails, or whose handling raises anything, is
+        rejected: logged with its reason, counted in the round's metrics, left out; the round goes on.
         """
         messages = []
         for node_id, content in contents.items():
@@ -220,11 +230,14 @@ class FederatedStrategy:
         replies: list[Reply] = []
         for msg in grid.send_and_receive(messages, timeout=self.cfg.round_timeout):
             node_id = msg.metadata.src_node_id
-            answered.add(node_id)
             client = self.client_name(node_id)
+            if node_id not in contents or node_id in answered:
+                self.reject(rnd, message_type, client, "a reply that was not asked for")
+                continue
+            answered.add(node_id)
             if msg.has_error():
                 reason = (msg.error.reason or "").strip().splitlines()
-                reason_text = reason[-1] if reason else f"error code {msg.error.code}"
+                reason_text = reason[-1][:500] if reason else f"error code {msg.error.code}"
                 log(
                     WARNING,
                     "[medflower] %s %d %s: %s failed: %s",
@@ -236,27 +249,20 @@ class FederatedStrategy:
                 )
                 self.stats.failed.append(f"{client}: {reason_text}")
                 continue
-            self.stats.bytes_up += record_bytes(msg.content)
-            arrays = from_record(msg.content["arrays"]) if "arrays" in msg.content.array_records else OrderedDict()
-            metrics = dict(msg.content["metrics"]) if "metrics" in msg.content.metric_records else {}
-            config = dict(msg.content["info"]) if "info" in msg.content.config_records else {}
-            spec = expect(node_id) if callable(expect) else expect
-            problem = reserved_metric_names(metrics)
-            if problem is None and spec is not None:
-                problem = validate_arrays(arrays, spec)
+            try:
+                self.stats.bytes_up += record_bytes(msg.content)
+                spec = expect(node_id) if callable(expect) else expect
+                arrays, metrics, info = check_reply(msg.content, spec, self.cfg.reply_value_limit)
+                reply = Reply(node_id, client, arrays, metrics, info)
+                problem = self.check_reply_values(message_type.partition(".")[0], reply)
+            except RejectedReply as err:
+                problem = str(err)
+            except Exception as err:  # whatever one node's reply breaks, only that node is dropped
+                problem = f"{type(err).__name__} while checking the reply: {str(err)[:300]}"
             if problem:
-                log(
-                    WARNING,
-                    "[medflower] %s %d %s: rejected reply of %s: %s",
-                    self.round_label,
-                    rnd,
-                    message_type,
-                    client,
-                    problem,
-                )
-                self.stats.rejected.append(f"{client}: {problem}")
+                self.reject(rnd, message_type, client, problem)
                 continue
-            replies.append(Reply(node_id, client, arrays, metrics, config))
+            replies.append(reply)
         for node_id in contents:
             if node_id not in answered:
                 client = self.client_name(node_id)
@@ -272,12 +278,61 @@ class FederatedStrategy:
                 self.stats.failed.append(f"{client}: no reply")
         return replies
 
+    def reject(self, rnd: int, message_type: str, client: str, problem: str) -> None:
+        log(
+            WARNING,
+            "[medflower] %s %d %s: rejected reply of %s: %s",
+            self.round_label,
+            rnd,
+            message_type,
+            client,
+            problem,
+        )
+        self.stats.rejected.append(f"{client}: {problem}")
+
+    def check_reply_values(self, phase: str, reply: Reply) -> str | None:
+        """Why a reply that passed the generic checks still cannot be used, or None. Strategies extend it (call
+        ``super()``) for the values they read (budgets, capacities, spreads).
+
+        Here: a query declares ``num-train`` (a count) and a site name the registry (run-config site-registry)
+        gives this node; every later reply comes from the identity the node declared when it joined (a node that
+        changed its settings is forgotten and asked again at the next round), and its ``num-examples`` is a count
+        no larger than the training size it declared.
+        """
+        metrics, known = reply.metrics, self.nodes.get(reply.node_id)
+        if phase == "query":
+            if "num-train" not in metrics:
+                return "a query reply must declare num-train"
+            if problem := count_check(metrics, "num-train"):
+                return problem
+            if self.registry is not None:
+                return self.registry.check(reply.node_id, str(reply.config["client"]))
+            return None
+        if known is None:
+            return "a reply from a node that has not joined (no query reply)"
+        claimed = (str(reply.config["client"]), int(reply.config["partition-id"]))
+        if claimed != (known.client, known.partition_id):
+            self.nodes.pop(reply.node_id, None)  # re-read its settings at the next round
+            return (
+                f"identity changed to site {claimed[0]!r}, partition {claimed[1]} (it joined as {known.client!r}, "
+                f"partition {known.partition_id}); it is asked again at the next round"
+            )
+        if "num-examples" in metrics and (problem := count_check(metrics, "num-examples", known.num_train)):
+            self.nodes.pop(reply.node_id, None)
+            return problem
+        return None
+
+    def shares(self, weights: list[float] | np.ndarray) -> np.ndarray:
+        """Aggregation shares from the sites' weights, each capped at run-config max-client-share."""
+        return capped_shares(weights, self.cfg.max_client_share)
+
     def client_name(self, node_id: int) -> str:
         info = self.nodes.get(node_id)
         return info.client if info else f"node-{node_id}"
 
     def refresh_nodes(self, grid: Grid, rnd: int) -> None:
-        """Ask nodes not seen before who they are (partition id, site name, training size)."""
+        """Ask nodes not seen before who they are (partition id, site name, training size); refuse a node that
+        claims the site name or partition id of another node."""
         current = set(grid.get_node_ids())
         for gone in set(self.nodes) - current:
             log(WARNING, "[medflower] %s left the federation", self.nodes.pop(gone).client)
@@ -287,12 +342,21 @@ class FederatedStrategy:
         contents = {n: RecordDict({"config": self.base_config(rnd)}) for n in unknown}
         for reply in self.exchange(grid, "query", contents, rnd):
             info = NodeInfo(
-                reply.node_id,
-                int(reply.config["partition-id"]),
-                str(reply.config["client"]),
-                int(reply.metrics.get("num-train", 0)),
-                reply.metrics,
+                reply.node_id, reply.partition_id, reply.client_claim, int(reply.metrics["num-train"]), reply.metrics
             )
+            holder = next(
+                (n for n in self.nodes.values() if n.client == info.client or n.partition_id == info.partition_id),
+                None,
+            )
+            if holder is not None:
+                self.reject(
+                    rnd,
+                    "query",
+                    f"node-{reply.node_id}",
+                    f"claims site {info.client!r}, partition {info.partition_id}, already held by node "
+                    f"{holder.node_id} ({holder.client!r}, partition {holder.partition_id}); refused",
+                )
+                continue
             self.nodes[reply.node_id] = info
             log(
                 INFO,
@@ -345,9 +409,15 @@ class FederatedStrategy:
             started = time.monotonic()
             self.stats = RoundStats()
             self.refresh_nodes(grid, rnd)
+            self.federation_size = len(self.nodes)
             if not self.nodes:
                 raise RuntimeError(f"{self.round_label} {rnd}: no node answered; see the warnings above")
+            before = self.snapshot()
             self.run_round(grid, rnd)
+            if problem := self.non_finite_state():
+                self.load_state(*before)
+                log(WARNING, "[medflower] %s %d failed: %s; the previous model is kept", self.round_label, rnd, problem)
+                self.stats.extra["round_failed"] = problem
             self.completed_rounds = rnd
             round_s = time.monotonic() - started
             self.elapsed_s += round_s
@@ -373,6 +443,17 @@ class FederatedStrategy:
                 round_s,
                 self.recorder.round_summary(rnd),
             )
+
+    def snapshot(self) -> tuple[OrderedDict[str, np.ndarray], dict[str, Any]]:
+        """A copy of ``state()`` (what ``load_state`` restores when a round's aggregate is not finite)."""
+        arrays, meta = self.state()
+        return OrderedDict((k, np.array(v, copy=True)) for k, v in arrays.items()), json.loads(json.dumps(meta))
+
+    def non_finite_state(self) -> str | None:
+        """Why the state after a round must not be kept (an array with NaN/Inf), or None."""
+        arrays, _ = self.state()
+        bad = [k for k, v in arrays.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+        return f"the aggregate is not finite ({len(bad)} arrays with NaN/Inf, e.g. {bad[0]})" if bad else None
 
     def run_round(self, grid: Grid, rnd: int) -> None:
         selected = self.sample_nodes(rnd)
@@ -430,4 +511,4 @@ class FederatedStrategy:
         return RecordDict({"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
-        self.global_arrays = weighted_mean([r.arrays for r in replies], [r.num_examples for r in replies])
+        self.global_arrays = weighted_mean([r.arrays for r in replies], self.shares([r.num_examples for r in replies]))

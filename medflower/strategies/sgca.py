@@ -319,7 +319,9 @@ class SGCA(FederatedStrategy):
         clients = [r.client for r in replies]
         thetas = stack_flat([r.arrays for r in replies], self.transmitted_spec)
         sizes = np.array([r.num_examples for r in replies], dtype=np.float64)
-        m = sizes / sizes.sum()  # m_j = n_j / Σn (Eq. 7 writes m_i: a typo, the weight belongs to client j)
+        m = self.shares(
+            sizes
+        )  # m_j = n_j / Σn, capped at max-client-share (Eq. 7 writes m_i: a typo, the weight is j's)
         w = self.mixing_matrix(m, thetas)
         # torch's matmul: the same float32 product as numpy's, about 1.5x faster on the CPUs measured here
         mixed = (torch.from_numpy(w.astype(np.float32)) @ torch.from_numpy(thetas)).numpy()

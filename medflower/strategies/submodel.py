@@ -446,6 +446,20 @@ class SubModelStrategy(FederatedStrategy):
         return RecordDict({"config": self.base_config(rnd)})
 
     # ------------------------------------------------------------------ replies
+    def check_reply_values(self, phase: str, reply: Reply) -> str | None:
+        """β_k (a query's ``capacity``) lies in (0, 1] and stays what the site declared; μ_k (``feature-spread``,
+        a weight of the merge) is >= 0."""
+        if problem := super().check_reply_values(phase, reply):
+            return problem
+        metrics = reply.metrics
+        if "capacity" in metrics and not 0.0 < metrics["capacity"] <= 1.0:
+            return f"capacity must lie in (0, 1], got {metrics['capacity']}"
+        if phase != "query" and "capacity" in metrics and metrics["capacity"] != self.capacity(reply.node_id):
+            return f"capacity {metrics['capacity']} differs from the {self.capacity(reply.node_id)} declared at joining"
+        if metrics.get("feature-spread", 0.0) < 0:
+            return f"feature-spread must be >= 0, got {metrics['feature-spread']}"
+        return None
+
     def capacity(self, node_id: int) -> float:
         return float(self.nodes[node_id].extra.get("capacity", 1.0)) if node_id in self.nodes else 1.0
 
@@ -480,7 +494,7 @@ class SubModelStrategy(FederatedStrategy):
             return
         parts = [{k: v for k, v in r.arrays.items() if not k.startswith(KEPT)} for r in valid]
         kept = [{ffn: r.arrays[KEPT + ffn] for ffn in self.ffn_width} for r in valid]
-        weights = [self.merge_weight(r) for r in valid]
+        weights = list(self.shares([self.merge_weight(r) for r in valid]))
         self.global_arrays = covered_merge(self.global_arrays, parts, kept, weights, self.ffn_width)
         self.stats.extra["merge_weights"] = {r.client: round(w / sum(weights), 6) for r, w in zip(valid, weights)}
 
