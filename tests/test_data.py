@@ -258,7 +258,14 @@ def test_medmnist_missing_keys(tmp_path):
     "labels, expected",
     [
         (np.array([[0], [1], [-1], [0]]), "negative"),
-        (np.array([0.0, 1.5, 1.0, 0.0]), "integer"),
+        (np.array([0.0, 1.5, 1.0, 0.0]), r"1 label\(s\) are non-integer, e.g. \[1.5\] \(rows 1\)"),
+        (np.array([0.0, np.inf, 1.0, 0.0]), r"1 label\(s\) are non-finite \(inf or NaN\), e.g. \[inf\]"),
+        (
+            np.array([[np.nan], [1.0], [-np.inf], [0.0]]),
+            r"2 label\(s\) are non-finite \(inf or NaN\), e.g. \[nan, -inf\]",
+        ),
+        (np.array(["0", "1", "1", "0"]), "must hold integer class indices, got dtype <U1"),
+        (np.array([0.0, 1e19, 1.0, 0.0]), r"too large to be class indices \(at most 99999\), e.g. 1e\+19"),
         (np.array([[0, 1], [1, 0], [1, 1], [0, 0]]), "multi-label"),
     ],
 )
@@ -356,6 +363,47 @@ def test_csv_bad_split_values(tmp_path):
     message = str(err.value)
     assert "manifest.csv" in message and "4 row(s)" in message
     assert "line 3 ('validation')" in message and "line 5 ('dev')" in message
+
+
+@pytest.mark.parametrize("marker", ["", "NaN", "NA", "nan", "None", "null", "N/A", "<NA>"])
+def test_csv_missing_labels_are_refused_not_classes(tmp_path, marker):
+    """pandas' default NA strings are missing labels, never a class of their own."""
+    rows = [{"path": f"x{i}.png", "label": marker if i in (2, 5) else "cat"} for i in range(8)]
+    manifest = write_csv(tmp_path, rows)
+    with pytest.raises(DataError) as err:
+        describe_source(DataSpec(dataset=f"csv:{manifest}"))
+    assert str(err.value) == (
+        f"{manifest}: missing label in 2 row(s) (empty, or a missing-value marker such as NaN, NA, None, null): "
+        f"line 4 ({marker!r}), line 7 ({marker!r}); give every row its class (a class cannot be named like a "
+        "missing value)"
+    )
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "../outside.png", "img/../../outside.png", "~/outside.png"])
+def test_csv_paths_must_stay_in_the_manifest_folder(tmp_path, path):
+    (tmp_path / "outside.png").write_bytes(b"not read")
+    folder = tmp_path / "site"
+    manifest = write_csv(folder, [{"path": f"x{i}.png", "label": i % 2} for i in range(6)])
+    manifest.write_text(manifest.read_text() + f"{path},0,,\n")
+    with pytest.raises(DataError) as err:
+        describe_source(DataSpec(dataset=f"csv:{manifest}"))
+    assert str(err.value) == (
+        f"{manifest}: 1 image path(s) leave the manifest's folder (absolute paths and '..' climbing out of it are "
+        f"refused; write paths relative to {folder}): line 8 ({path!r})"
+    )
+
+
+def test_csv_integer_labels_too_large_for_classes(tmp_path):
+    manifest = write_csv(tmp_path, [{"path": f"x{i}.png", "label": [0, 1234567][i % 2]} for i in range(4)])
+    with pytest.raises(DataError) as err:
+        describe_source(DataSpec(dataset=f"csv:{manifest}"))
+    assert str(err.value) == f"{manifest}: label(s) too large to be class indices (at most 99999), e.g. 1234567"
+
+
+def test_csv_paths_inside_the_folder_may_use_dots(tmp_path):
+    rows = [{"path": f"img/../x{i}.png", "label": i % 2} for i in range(6)]
+    manifest = write_csv(tmp_path, rows)
+    assert describe_source(DataSpec(dataset=f"csv:{manifest}")) == (2, ["class-0", "class-1"])
 
 
 def test_csv_missing_image_files_listed_once(tmp_path):

@@ -2,7 +2,8 @@
 client partitions, loaders."""
 
 from .client import ClientData, load_client_data
-from .site import site_data_spec
+from .roots import check_data_roots, data_roots
+from .site import SiteClasses, load_site_data, site_data_spec
 from .sources import describe_source, source_task
 from .spec import PARTITIONS, SOURCE_KINDS, DataError, DataSpec
 from .transforms import make_loader
@@ -13,8 +14,12 @@ __all__ = [
     "DataSpec",
     "PARTITIONS",
     "SOURCE_KINDS",
+    "SiteClasses",
+    "check_data_roots",
+    "data_roots",
     "describe_source",
     "load_client_data",
+    "load_site_data",
     "make_loader",
     "site_data_spec",
     "source_task",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from .partition import partition_rows, split_client_rows
-from .sources import open_source
+from .sources import Source, open_source
 from .spec import DataError, DataSpec
 
 
@@ -36,7 +37,13 @@ def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> 
         raise DataError(f"partition_id {partition_id} is out of range for {num_partitions} partitions")
     source = open_source(spec)
     partitioning = partition_rows(spec, num_partitions)
-    rows = partitioning.rows[partition_id]
+    return split_rows(source, spec, partitioning.rows[partition_id], partition_id, num_partitions,
+                      partitioning.sites[partition_id])
+
+
+def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: int, num_partitions: int,
+               site: str | None) -> ClientData:
+    """``source``'s ``rows`` (one partition) split into train/val/test, seeded per partition."""
     source_splits = source.splits[rows] if spec.use_source_splits and source.splits is not None else None
     positions = split_client_rows(source.labels[rows], source_splits, spec.val_fraction,
                                   spec.test_fraction, seed=spec.seed + partition_id)
@@ -57,6 +64,6 @@ def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> 
         num_classes=source.num_classes,
         class_names=list(source.class_names),
         partition_id=partition_id,
-        site=partitioning.sites[partition_id],
+        site=site,
         task=source.task,
     )

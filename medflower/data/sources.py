@@ -10,6 +10,8 @@ in one process are cheap.
 
 from __future__ import annotations
 
+import copy
+import os
 import re
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -52,6 +54,13 @@ MEDMNIST_CLASS_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+# pandas' default NA strings (pandas._libs.parsers.STR_NA_VALUES): a manifest label written as one of these is a
+# missing label, never a class.
+NA_LABELS = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                       "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
+MAX_LABEL = 99_999  # the largest class index a source may hold (a class per index is named, so no more)
+
+
 def default_class_names(num_classes: int) -> tuple[str, ...]:
     """'class-0', 'class-1', ..."""
     return tuple(f"class-{c}" for c in range(num_classes))
@@ -66,10 +75,23 @@ class Source:
     splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
     task: str = "classification"  # or "segmentation"
     styled_by_partition: bool = False  # each partition renders its rows in its own site style
+    # True when the rows named their classes (a manifest with text labels): ``class_names`` are those names,
+    # sorted; False when the rows hold class indices and ``class_names`` are the source's convention
+    labels_are_names: bool = False
+    written_labels: bool = False  # labels were read as text (a manifest), so integer labels can be matched by name
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    def relabelled(self, labels: np.ndarray, class_names: tuple[str, ...]) -> Source:
+        """The same rows with other class indices and names (a site mapping its labels onto the run's classes)."""
+        if len(labels) != len(self):
+            raise ValueError(f"{len(labels)} labels for {len(self)} rows")
+        other = copy.copy(self)
+        other.labels, other.class_names = np.asarray(labels, dtype=np.int64), tuple(class_names)
+        other.labels_are_names = False
+        return other
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -176,11 +198,20 @@ class MedmnistSource(Source):
         if raw.ndim not in (1, 2):
             raise DataError(f"{self.path}: {key} has shape {raw.shape}; expected (N,) or (N, 1)")
         raw = raw.reshape(-1)
-        if raw.dtype.kind not in "iub" and not (raw.dtype.kind == "f" and np.all(raw == np.round(raw))):
-            raise DataError(f"{self.path}: {key} must hold integer class indices, "
-                            f"got dtype {raw.dtype} (e.g. {raw[:3].tolist()})")
+        if raw.dtype.kind not in "iubf":
+            raise DataError(f"{self.path}: {key} must hold integer class indices, got dtype {raw.dtype}")
+        if raw.dtype.kind == "f":  # float labels are fine when every one is a whole number
+            for bad, what in ((~np.isfinite(raw), "non-finite (inf or NaN)"),
+                              (np.isfinite(raw) & (raw != np.round(raw)), "non-integer")):
+                if bad.any():
+                    raise DataError(f"{self.path}: {key} must hold integer class indices; {bad.sum()} label(s) "
+                                    f"are {what}, e.g. {raw[bad][:3].tolist()} (rows "
+                                    f"{list_rows([str(r) for r in np.flatnonzero(bad)], 5)})")
         if raw.size and raw.min() < 0:
             raise DataError(f"{self.path}: {key} has negative label(s), e.g. {int(raw.min())}")
+        if raw.size and raw.max() > MAX_LABEL:
+            raise DataError(f"{self.path}: {key} has label(s) too large to be class indices (at most {MAX_LABEL}), "
+                            f"e.g. {raw.max()}")
         return raw.astype(np.int64)
 
     @cached_property
@@ -217,6 +248,8 @@ class MedmnistSource(Source):
 class CsvSource(Source):
     """A csv manifest with columns path,label[,site][,split]; images are read lazily."""
 
+    written_labels = True
+
     def __init__(self, manifest: Path) -> None:
         self.manifest = manifest
         self.name = f"csv:{manifest}"
@@ -248,18 +281,23 @@ class CsvSource(Source):
         return [f"line {line} ({value!r})" for line, value in zip(self.lines[mask], values[mask])]
 
     def _parse_labels(self, column: pd.Series) -> tuple[np.ndarray, tuple[str, ...]]:
-        blank = (column == "").to_numpy()
-        if blank.any():
-            raise DataError(f"{self.manifest}: empty label in {blank.sum()} row(s): "
-                            + list_rows([f"line {n}" for n in self.lines[blank]]))
-        if column.str.fullmatch(r"[+-]?\d+").all():
+        missing = column.isin(NA_LABELS).to_numpy()
+        if missing.any():
+            raise DataError(f"{self.manifest}: missing label in {missing.sum()} row(s) (empty, or a missing-value "
+                            f"marker such as NaN, NA, None, null): " + list_rows(self._bad_rows(missing, column))
+                            + "; give every row its class (a class cannot be named like a missing value)")
+        if column.str.fullmatch(r"[+-]?\d{1,9}").all():  # class indices (longer digit strings are names)
             labels = column.astype(np.int64).to_numpy()
             negative = labels < 0
             if negative.any():
                 raise DataError(f"{self.manifest}: negative label(s) in {negative.sum()} row(s): "
                                 + list_rows(self._bad_rows(negative, column)))
+            if labels.max() > MAX_LABEL:
+                raise DataError(f"{self.manifest}: label(s) too large to be class indices (at most {MAX_LABEL}), "
+                                f"e.g. {labels.max()}")
             return labels, default_class_names(int(labels.max()) + 1)
         names = tuple(sorted(column.unique()))
+        self.labels_are_names = True
         return np.searchsorted(np.array(names), column.to_numpy(dtype=str)).astype(np.int64), names
 
     def _parse_splits(self, column: pd.Series) -> np.ndarray:
@@ -272,8 +310,15 @@ class CsvSource(Source):
         return splits.to_numpy(dtype=str)
 
     def _resolve_paths(self, column: pd.Series) -> list[str]:
+        """Image paths resolved against the manifest's folder; a path that leaves it (absolute, '~', or '..'
+        climbing out) is refused before any file is looked at."""
         base = self.manifest.parent
-        paths = [str(base / Path(p).expanduser()) if p else "" for p in column]
+        escaping = np.array([escapes_folder(p) for p in column])
+        if escaping.any():
+            raise DataError(f"{self.manifest}: {escaping.sum()} image path(s) leave the manifest's folder (absolute "
+                            f"paths and '..' climbing out of it are refused; write paths relative to {base}): "
+                            + list_rows(self._bad_rows(escaping, column)))
+        paths = [str(base / p) if p else "" for p in column]
         missing = np.array([not (p and Path(p).is_file()) for p in paths])
         if missing.any():
             raise DataError(f"{self.manifest}: {missing.sum()} image file(s) not found (paths are "
@@ -318,6 +363,17 @@ class SegFolderSource(Source):
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
         return SegFileDataset([self.folder.images[r] for r in rows], [self.folder.masks[r] for r in rows],
                               self.labels[rows], spec.img_size)
+
+
+def escapes_folder(path: str) -> bool:
+    """A manifest path that does not stay below the manifest's folder: absolute, starting with '~', or climbing
+    out with '..' (judged on the text, before anything is opened; symlinks are data-roots' concern)."""
+    if not path:
+        return False
+    if path.startswith("~") or Path(path).is_absolute() or Path(path).drive:
+        return True
+    normal = os.path.normpath(path)
+    return normal == os.pardir or normal.startswith(os.pardir + os.sep)
 
 
 def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:

@@ -20,8 +20,18 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from ..data import ClientData, DataError, load_client_data, make_loader, site_data_spec
+from ..data import (
+    ClientData,
+    DataError,
+    SiteClasses,
+    check_data_roots,
+    load_client_data,
+    load_site_data,
+    make_loader,
+)
+from ..data.roots import in_simulation
 from ..models import AdaptedModel, build_model
+from ..results import safe_name
 from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
 from .records import derive_seed, from_record, to_record
 
@@ -68,7 +78,10 @@ class ClientRuntime:
             partition_id = int(node.get("partition-id", zlib.crc32(name.encode()) % 1_000_000))
             return cls(cfg, context, config, partition_id, 1, data_path)
         if "partition-id" not in node or "num-partitions" not in node:
-            raise DataError(f"node-config needs data-path, or partition-id and num-partitions (got {dict(node)})")
+            raise DataError(
+                "node-config needs data-path, or partition-id and num-partitions "
+                f"(it sets {', '.join(sorted(node)) or 'nothing'})"
+            )
         return cls(cfg, context, config, int(node["partition-id"]), int(node["num-partitions"]))
 
     @property
@@ -77,22 +90,30 @@ class ClientRuntime:
 
     @functools.cached_property
     def data(self) -> ClientData:
+        """The site's data. Its own ``data-path``: all of it, labels mapped onto the run's classes (run-config
+        class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
+        data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
         if self.data_path is not None:
             base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
-            data = _cached_data(site_data_spec(base, self.data_path), 0, 1)
-        else:
-            dataset, index, count = self.cfg.site_dataset(self.partition_id, self.num_partitions)
-            data = _cached_data(self.cfg.data_spec(dataset=dataset), index, count)
+            classes = SiteClasses(
+                int(self.config.get("num-classes") or self.cfg.site_num_classes), tuple(self.cfg.class_name_list)
+            )
+            task = None if self.cfg.site_dataset_list else self.cfg.model_task
+            return load_site_data(base, self.data_path, classes, task)
+        dataset, index, count = self.cfg.site_dataset(self.partition_id, self.num_partitions)
+        spec = self.cfg.data_spec(dataset=dataset)
+        check_data_roots(spec, self.context.node_config)  # before any file of the run config's is opened
+        data = _cached_data(spec, index, count)
         expected = int(self.config.get("num-classes") or data.num_classes)
         if data.num_classes > expected:
             raise DataError(
-                f"{self.data_path or self.cfg.dataset}: this site has {data.num_classes} classes "
+                f"{self.cfg.dataset}: this site has {data.num_classes} classes "
                 f"but the run's model has {expected} (run-config num-classes)"
             )
         task = getattr(data, "task", "classification")
         if task != self.cfg.model_task and not self.cfg.site_dataset_list:
             raise DataError(
-                f"{self.data_path or self.cfg.dataset}: this site holds {task} data but the run "
+                f"{self.cfg.dataset}: this site holds {task} data but the run "
                 f"trains a {self.cfg.model_task} model (run-config task)"
             )
         return data
@@ -178,13 +199,16 @@ class ClientRuntime:
         return out
 
     def state_dir(self) -> Path | None:
-        """Folder for this site's persistent state: node-config 'state-dir', else the server's suggestion."""
-        base = self.context.node_config.get("state-dir") or self.config.get("state-dir")
-        if not base:
-            return None
-        run_name = str(self.config.get("run-name", "run"))
-        sub = Path(str(base)) / run_name if self.context.node_config.get("state-dir") else Path(str(base))
-        return sub / f"partition-{self.partition_id}"
+        """Folder for this site's persistent state: node-config 'state-dir' (a folder per run below it), else, in a
+        simulation, the server's suggestion (its run folder's client-state/). A SuperNode never writes where the
+        server says: without node-config state-dir its state lives in memory only (lost when it restarts)."""
+        node_dir = self.context.node_config.get("state-dir")
+        if node_dir:
+            run_name = safe_name(str(self.config.get("run-name", "run"))) or "run"
+            return Path(str(node_dir)) / run_name / f"partition-{self.partition_id}"
+        if self.config.get("state-dir") and in_simulation():
+            return Path(str(self.config["state-dir"])) / f"partition-{self.partition_id}"
+        return None
 
 
 def _metric_list(values: list | tuple) -> list[int] | list[float]:

@@ -1,0 +1,125 @@
+"""Where a site may read because of the run config: the folders its operator lists in node-config ``data-roots``.
+
+In partition mode the run config (chosen by whoever starts the run) names the data: ``csv:<manifest>``,
+``segfolder:<root>``, ``medmnist:<flag>`` with ``data-dir``. A site opens such a path only when it resolves
+(``os.path.realpath``: symlinks followed, '..' removed) below one of the folders of its node-config
+``data-roots`` (comma-separated; else the environment variable ``MEDFLOWER_DATA_ROOTS``), and so does every file
+a manifest lists or a segmentation folder holds. The check runs before the path is opened, so a refused path is
+never read and no file content reaches an error message.
+
+With no data-roots, a site in a deployment refuses such datasets; in Flower's simulation engine and in medflower's
+in-process grid (``medflower/inprocess.py``), where one operator owns every simulated site, they are read as
+before. A site's own node-config ``data-path`` is the operator's choice and needs no data-roots; synthetic
+datasets name no path. See docs/data.md#data-roots.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from pathlib import Path
+
+from . import segfolder
+from .sources import medmnist_path, open_source_by_key, source_key
+from .spec import ARGLESS_KINDS, DataError, DataSpec, list_rows
+
+ROOTS_KEY = "data-roots"
+ROOTS_ENV = "MEDFLOWER_DATA_ROOTS"
+# (module, class, method) whose frame is on the stack while a simulated site handles a message: Flower's
+# simulation engine (a Ray actor of the Virtual Client Engine) and medflower's in-process grid.
+SIMULATION_CALLERS = (
+    ("flwr.simulation.ray_transport.ray_actor", "VirtualClientEngineActor", "run"),
+    ("medflower.inprocess", "InProcessGrid", "send_and_receive"),
+)
+
+
+def data_roots(node_config: Mapping) -> tuple[str, ...] | None:
+    """The real paths of node-config ``data-roots`` (else of ``$MEDFLOWER_DATA_ROOTS``); None when neither is set."""
+    raw = str(node_config.get(ROOTS_KEY) or "").strip() or os.environ.get(ROOTS_ENV, "")
+    roots = tuple(dict.fromkeys(os.path.realpath(os.path.expanduser(r.strip())) for r in raw.split(",") if r.strip()))
+    return roots or None
+
+
+def in_simulation() -> bool:
+    """True while a simulated site handles a message (Flower's simulation engine or medflower's in-process grid):
+    one of ``SIMULATION_CALLERS`` is on the calling stack. A module that is not imported is not running."""
+    codes = set()
+    for module_name, class_name, method in SIMULATION_CALLERS:
+        module = sys.modules.get(module_name)
+        function = getattr(getattr(module, class_name, None), method, None)
+        if function is not None and hasattr(function, "__code__"):
+            codes.add(function.__code__)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def is_below(path: str | Path, roots: Iterable[str]) -> bool:
+    """``path`` resolves (symlinks followed) to one of ``roots`` (real paths) or below one."""
+    real = os.path.realpath(os.path.expanduser(str(path)))
+    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+def check_data_roots(spec: DataSpec, node_config: Mapping) -> None:
+    """Refuse, before anything is opened, a run-config dataset that would make this site read outside the folders
+    its node-config ``data-roots`` allows (module docstring); DataError naming node-config data-roots."""
+    if spec.source_kind in ARGLESS_KINDS:
+        return
+    roots = data_roots(node_config)
+    if roots is None:
+        if in_simulation():
+            return
+        raise DataError(
+            f"run-config dataset {spec.dataset!r} names files on this site, but this SuperNode sets no node-config "
+            f"{ROOTS_KEY}: a site reads run-config paths only below the folders its operator lists, e.g. "
+            f"flower-supernode ... --node-config \"{ROOTS_KEY}='/data/shared'\" (or the environment variable "
+            f"{ROOTS_ENV}); see docs/data.md#data-roots"
+        )
+    confine(spec, roots)
+
+
+def confine(spec: DataSpec, roots: tuple[str, ...]) -> None:
+    """DataError unless every file ``spec`` reads resolves below ``roots``: the path the run config names first
+    (nothing opened), then the files a manifest lists or a segmentation folder holds (manifest read, folders
+    listed, no image or mask opened)."""
+    kind, arg = spec.source_kind, spec.source_arg
+    roots = tuple(os.path.realpath(os.path.expanduser(r)) for r in roots)
+    if kind == "medmnist":
+        folder = Path(spec.data_dir).expanduser()
+        _require_below(f"run-config data-dir {spec.data_dir!r}", folder, roots)
+        _require_below(f"run-config dataset {spec.dataset!r}", folder / f"{arg}.npz", roots)
+        _require_below(f"run-config dataset {spec.dataset!r}", medmnist_path(arg, spec.data_dir, spec.img_size), roots)
+        return
+    _require_below(f"run-config dataset {spec.dataset!r}", Path(arg).expanduser(), roots)
+    outside = _files_outside(source_key(spec), roots)
+    if outside:
+        raise DataError(
+            f"run-config dataset {spec.dataset!r}: {len(outside)} file(s) it reads resolve (symlinks followed) "
+            f"outside this site's node-config {ROOTS_KEY}: {list_rows(list(outside), 5)}"
+        )
+
+
+def _require_below(what: str, path: Path, roots: tuple[str, ...]) -> None:
+    if not is_below(path, roots):
+        raise DataError(
+            f"{what} resolves (symlinks followed) outside this site's node-config {ROOTS_KEY}; the site "
+            f"operator allows a folder by adding it to {ROOTS_KEY}"
+        )
+
+
+@lru_cache(maxsize=16)
+def _files_outside(key: tuple, roots: tuple[str, ...]) -> tuple[str, ...]:
+    """The files of the source ``key`` (a csv manifest's images, a segfolder's images and masks) that resolve outside
+    ``roots``, as the source names them; cached per source identity (path and mtime, or folder fingerprint)."""
+    if key[0] == "csv":
+        source = open_source_by_key(key)  # reads the manifest only; images are read lazily
+        named = [(f"line {line} ({path})", path) for line, path in zip(source.lines, source.paths)]
+    else:
+        folder = segfolder.scan_folder(Path(key[2]))  # lists the folders; masks are read when the source opens
+        named = [(str(p), p) for p in folder.images + folder.masks]
+    return tuple(name for name, path in named if not is_below(path, roots))
