@@ -154,6 +154,7 @@ def run_config(args: argparse.Namespace, output_dir: Path) -> dict[str, Any]:
         "device": args.device,
         "output-dir": str(output_dir.resolve()),
         "run-name": "flower",
+        "overwrite": True,  # a second benchmark run with the same --workdir replaces the first
     }
 
 

@@ -260,7 +260,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option(
         "reply-value-limit",
         1e6,
-        "largest absolute value a site's reply may carry in an array or metric; a reply beyond it is rejected",
+        "largest absolute value in the arrays of a site's reply (a reply beyond it is rejected before aggregation)",
         positive,
         "replies",
     ),
@@ -530,6 +530,9 @@ class ExperimentConfig:
             "min-nodes",
             "device",
             "data-dir",
+            "overwrite",
+            "keep-checkpoints",
+            "site-registry",
         }
         return {k: v for k, v in self.to_dict().items() if k not in loose}
 

@@ -19,7 +19,8 @@ File layout::
       - {name: local, strategy: local}
 
 Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mode started for
-this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks).
+this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks); running the
+file again redoes every run in its folder (``overwrite: false`` in ``base`` refuses instead).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
 over seeds of the final mean-over-clients metrics, bytes per round) and ``curves.png``.
 Metrics are summary.json's ``final`` entries: means over sites, or ``pooled_balanced_accuracy`` /
@@ -138,7 +139,9 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
-    config = {**plan["base"], **{k: v for k, v in run.items() if k != "name"}}
+    """One (run, seed)'s run config. Its folder is <out_dir>/<run>-seed<k>: running the file again redoes it
+    (``overwrite`` true unless the file sets it false, then a finished run's folder is refused)."""
+    config = {"overwrite": True, **plan["base"], **{k: v for k, v in run.items() if k != "name"}}
     config.update(
         {"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"}
     )

@@ -17,18 +17,42 @@ from .data import describe_source
 from .data.partition import check_partition_supported
 from .models import build_model
 from .results import RunRecorder, safe_name
-from .strategies.checkpoint import resolve_checkpoint_dir
+from .strategies.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 
 app = ServerApp()
+
+
+# A folder holding any of these already holds a run; RUN_OUTPUTS is what overwrite=true deletes.
+RUN_MARKS = ("metrics.jsonl", "checkpoint", "client-state", "summary.json")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "summary.md", "curves.png", "checkpoint", "client-state")
 
 
 def run_folder(cfg: ExperimentConfig) -> Path:
     """The run's folder: resume-from's run folder, else <output-dir>/<run-name>."""
     if cfg.resume_from:
-        checkpoint = resolve_checkpoint_dir(cfg.resume_from)
-        return checkpoint.parent if checkpoint.name == "checkpoint" else checkpoint
+        return run_folder_of(resolve_checkpoint_dir(cfg.resume_from))
     name = cfg.run_name or f"{cfg.strategy}-{safe_name(cfg.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"
     return Path(cfg.output_dir).expanduser() / safe_name(name)
+
+
+def prepare_run_folder(cfg: ExperimentConfig, run_dir: Path) -> None:
+    """A new run (no resume-from) starts in an absent or empty folder; a folder that already holds a run is
+    refused, unless overwrite=true, which deletes that run's outputs (docs/deployment.md, "Faults")."""
+    if cfg.resume_from:
+        return
+    held = [name for name in RUN_MARKS if (run_dir / name).exists()]
+    if not held:
+        return
+    if not cfg.overwrite:
+        raise ConfigError(
+            f"run folder {run_dir.resolve()} already holds a run ({', '.join(held)}): set run-config "
+            f"'resume-from' to it to continue that run, or 'overwrite=true' to delete it and start over "
+            f"(or choose another 'run-name' / 'output-dir')"
+        )
+    log(WARNING, "[medflower] %s holds a run: overwrite=true, deleting it and starting over", run_dir.resolve())
+    for stale in RUN_OUTPUTS:
+        path = run_dir / stale
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def run_experiment(grid: Grid, run_config: dict) -> dict:
@@ -41,11 +65,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     for dataset in cfg.split_datasets:  # what every site would refuse at its first message, refused once here
         check_partition_supported(cfg.data_spec(dataset=dataset))
     run_dir = run_folder(cfg)
-    if not cfg.resume_from and run_dir.exists():
-        log(WARNING, "[medflower] %s exists: starting over there (use resume-from to continue it)", run_dir.resolve())
-        for stale in ("metrics.jsonl", "summary.json", "summary.md", "curves.png", "checkpoint", "client-state"):
-            path = run_dir / stale
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    prepare_run_folder(cfg, run_dir)
     recorder = RunRecorder(run_dir)
     method = cfg.strategy_class
     model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
@@ -53,6 +73,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     strategy = method(cfg, recorder, initial, num_classes)
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
+        # later rounds (a chosen earlier round, or newer ones refused as corrupt) are redone: drop them
+        Checkpointer(run_dir / "checkpoint").discard_after(strategy.completed_rounds)
         recorder.truncate_after(strategy.completed_rounds)
     recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())

@@ -309,7 +309,8 @@ def checkpoint_files(run_dir: Path) -> dict[str, dict[str, np.ndarray]]:
 def test_a_run_writes_its_outputs(runs, request):
     expect_xfail(request, runs, "outputs")
     for run_dir, summary in ((runs.full, runs.summary), (runs.resumed, runs.resumed_summary)):
-        for name in ("summary.json", "metrics.jsonl", "checkpoint/state.json", "checkpoint/arrays.safetensors"):
+        newest = f"checkpoint/round-{runs.case.rounds:06d}"
+        for name in ("summary.json", "metrics.jsonl", f"{newest}/state.json", f"{newest}/arrays.safetensors"):
             assert (run_dir / name).is_file(), name
         assert json.loads((run_dir / "summary.json").read_text()) == summary
         assert summary["strategy"] == runs.name and summary["rounds"] == runs.case.rounds

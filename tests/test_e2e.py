@@ -60,7 +60,7 @@ def test_flwr_run_simulation(tmp_path):
     assert summary_path.is_file(), proc.stdout
     summary = json.loads(summary_path.read_text())
     assert summary["rounds"] == 2 and len(summary["per_client"]) == 3
-    for name in ("metrics.jsonl", "summary.md", "curves.png", "checkpoint/state.json"):
+    for name in ("metrics.jsonl", "summary.md", "curves.png", "checkpoint/round-000002/state.json"):
         assert (out / "sim" / name).is_file()
     servers = [
         json.loads(line) for line in (out / "sim" / "metrics.jsonl").read_text().splitlines() if '"server"' in line

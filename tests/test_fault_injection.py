@@ -3,9 +3,8 @@
 Two runs per strategy (its ``CASES`` setting from tests/test_contract.py, 3 in-process nodes):
 - faulty: partition 1 answers its round-1 query with a malformed query reply (so it is refused and asked again
   at round 2, where it joins), then answers every later message of every phase (train, evaluate, custom actions
-  such as FedKEI's inner step or a SiFT hop) with a malformed reply. The kinds cycle through ``REPLY_FAULTS``
-  (those that apply to the reply at hand), starting at a different kind for each strategy, so the matrix as a
-  whole sends every kind;
+  such as FedKEI's inner step or a SiFT hop) with a malformed reply: of the ``REPLY_FAULTS`` that apply to the
+  reply at hand, the kind sent least so far in the session, so the matrix as a whole sends every kind;
 - reference: partition 1 does not answer those same messages at all.
 Checks: the faulty run completes; every injected fault is one rejected reply in its round, with its reason; the
 other sites' records, the server's records (but its failure lists and byte counts) and the checkpoint equal the
@@ -16,6 +15,7 @@ gets a ``DIFFERS`` entry with the reason.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +144,9 @@ METHOD_QUERY_FAULTS = [
 ]
 
 
+USED: Counter[str] = Counter()  # reply faults sent so far in this session: the next reply gets the least sent kind
+
+
 @dataclass
 class Injected:
     round: int
@@ -157,7 +160,7 @@ class Injector:
 
     def __init__(self, index: int, faulty: bool):
         self.index, self.faulty = index, faulty
-        self.cursor = 3 * index  # where this strategy starts in REPLY_FAULTS
+        self.cursor = 5 * index  # where this strategy starts in REPLY_FAULTS
         self.injected: list[Injected] = []
         self.clients: dict[int, str] = {}
 
@@ -168,11 +171,13 @@ class Injector:
         if query:
             specific = [f for f in METHOD_QUERY_FAULTS if f.applies(reply)]
             return specific[0] if specific else QUERY_FAULTS[self.index % len(QUERY_FAULTS)]
-        for step in range(len(REPLY_FAULTS)):
-            fault = REPLY_FAULTS[(self.cursor + step) % len(REPLY_FAULTS)]
-            if fault.applies(reply):
-                self.cursor += step + 1
-                return fault
+        order = [REPLY_FAULTS[(self.cursor + step) % len(REPLY_FAULTS)] for step in range(len(REPLY_FAULTS))]
+        applicable = [f for f in order if f.applies(reply)]
+        if applicable:
+            fault = min(applicable, key=lambda f: USED[f.name])  # the least sent kind so far, then cycle order
+            USED[fault.name] += 1
+            self.cursor = REPLY_FAULTS.index(fault) + 1
+            return fault
         raise AssertionError("no fault applies")
 
     def wrap(self, original):

@@ -1,8 +1,6 @@
 """FedKEI: the bi-level gradients (exact vs finite differences, first-order vs the paper's closed form),
 the β step, k-means++ clusters, the knowledge pool, the protocol in process, faults and resume."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from medflower.models import build_model
 from medflower.strategies import fedkei as fk
 from medflower.strategies import fedkei_bilevel as bl
 from medflower.strategies.base import from_record, unflatten
+from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
@@ -313,7 +312,7 @@ def test_fedavg_init_sends_the_size_weighted_mean_of_the_pool(tiny):
     )
     _, grid = run_inprocess(config, num_nodes=2)
     pool_dir = run_dir_of(config) / "checkpoint" / "pool"
-    state = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]["pool"]
+    state = Checkpointer(run_dir_of(config) / "checkpoint").load()[1]["strategy_meta"]["pool"]
     task1 = [(e["num_examples"], load_file(str(pool_dir / e["file"]))) for e in state if e["task"] == 1]
     assert len(task1) == 2 and task1[0][0] != task1[1][0]
     sent = from_record(messages(grid, "train", 2)[0].content["arrays"])

@@ -3,13 +3,10 @@ exact union aggregation, orthogonality, FedAvg-LoRA's interference vs FedStack's
 router, the class-incremental data, and the protocol in process (faults, heterogeneous budgets; resume of every
 strategy: tests/test_contract.py)."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
 from conftest import INCREMENTAL, records, run_dir_of
-from safetensors.numpy import load_file
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
@@ -24,6 +21,7 @@ from medflower.strategies import incremental_heads as heads
 from medflower.strategies import lora_merge, spectral
 from medflower.strategies import pfedmxf as mx
 from medflower.strategies.base import from_record
+from medflower.strategies.checkpoint import Checkpointer
 
 
 def sent(grid, message_type: str, rnd: int):
@@ -341,7 +339,7 @@ def test_pfedmxf_protocol_union_merge_bytes_and_summary(tiny, monkeypatch):
     assert list(summary["incremental"]) == ["1", "2"]
     evals = [r for r in records(run_dir_of(config), "eval") if r["task_end"]]
     assert {r["task"] for r in evals} == {1, 2} and all(r["n"] > 0 for r in evals)
-    meta = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]
+    meta = Checkpointer(run_dir_of(config) / "checkpoint").load()[1]["strategy_meta"]
     assert len(meta["allocations"]) == 6
     markdown = (run_dir_of(config) / "summary.md").read_text()  # IncrementalReport's layout
     assert markdown.startswith("# pfedmxf (aac classifier) on synthetic\n\n4 rounds")
@@ -445,7 +443,7 @@ def test_a_dropped_site_keeps_its_coefficients_in_the_union(tiny, monkeypatch):
     summary, grid = run_inprocess(config, num_nodes=3, drop=drop)
     assert captured[2] == ["site-0", "site-2"] and summary["communication"]["failed_replies"] == 1
     round2 = from_record(sent(grid, "train", 2)[1].content["arrays"])
-    state = load_file(str(run_dir_of(config) / "checkpoint" / "arrays.safetensors"))
+    state = Checkpointer(run_dir_of(config) / "checkpoint").load()[0]
     coords = round2["freq.192x192.own"]
     position = {c: i for i, c in enumerate(round2["freq.192x192.coords"].tolist())}
     name = "backbone.blocks.0.attn.qk_delta"

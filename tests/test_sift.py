@@ -4,7 +4,6 @@ balanced accuracy, the EMA is exact (BatchNorm statistics included), a run stopp
 result, the head and projector get no gradient unless the variant says so, a local text encoder gives one row
 per class, and bad configurations are named."""
 
-import json
 from collections import OrderedDict
 
 import numpy as np
@@ -73,7 +72,7 @@ def test_each_site_trains_once_per_round_in_the_seeded_order_and_the_pair_passes
     config = sift(**{"run-name": "relay"})
     run_inprocess(config, NUM_NODES)
     hops = train_hops(replies)
-    order = json.loads((run_dir_of(config) / "checkpoint" / "state.json").read_text())["strategy_meta"]["order"]
+    order = Checkpointer(run_dir_of(config) / "checkpoint").load()[1]["strategy_meta"]["order"]
     assert sorted(order) == list(range(NUM_NODES))
     for rnd in (1, 2):  # node id = partition id + 1 in the in-process grid
         assert [m.metadata.dst_node_id - 1 for r, m, _ in hops if r == rnd] == order
@@ -87,7 +86,7 @@ def test_each_site_trains_once_per_round_in_the_seeded_order_and_the_pair_passes
     # the order comes from the seed
     other = sift(**{"run-name": "relay-seed", "seed": 3, "num-rounds": 1})
     run_inprocess(other, NUM_NODES)
-    meta = json.loads((run_dir_of(other) / "checkpoint" / "state.json").read_text())
+    meta = Checkpointer(run_dir_of(other) / "checkpoint").load()[1]
     assert meta["strategy_meta"]["order"] != order
 
 
@@ -173,7 +172,7 @@ def test_a_run_stopped_mid_round_resumes_to_the_uninterrupted_result(sift, monke
     monkeypatch.setattr(InProcessGrid, "send_and_receive", crash_at_sixth_hop)
     with pytest.raises(Crash):
         run_inprocess(stopped, NUM_NODES)
-    meta = json.loads((run_dir_of(stopped) / "checkpoint" / "state.json").read_text())
+    meta = Checkpointer(run_dir_of(stopped) / "checkpoint").load()[1]
     assert meta["completed_rounds"] == 1 and meta["strategy_meta"]["position"] == 1
     monkeypatch.setattr(InProcessGrid, "send_and_receive", original)
     run_inprocess({**stopped, "resume-from": str(run_dir_of(stopped))}, NUM_NODES)

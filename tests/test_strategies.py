@@ -61,8 +61,8 @@ def test_fedavg_learns_and_writes_outputs(tiny):
         "summary.json",
         "summary.md",
         "curves.png",
-        "checkpoint/state.json",
-        "checkpoint/arrays.safetensors",
+        "checkpoint/round-000004/state.json",
+        "checkpoint/round-000004/arrays.safetensors",
     ):
         assert (run_dir / name).is_file(), name
     assert set(summary) >= {"strategy", "dataset", "rounds", "final", "per_client", "communication", "wall_time_s"}
@@ -92,10 +92,10 @@ def test_local_sites_keep_models_that_differ(tiny):
     assert any(not np.array_equal(states[0][k], states[1][k]) for k in states[0])
 
 
-def test_a_new_run_in_an_existing_folder_starts_over(tiny):
+def test_a_new_run_in_an_existing_folder_starts_over_with_overwrite(tiny):
     config = tiny(**{"run-name": "again", "num-rounds": 1})
     run_inprocess(config, num_nodes=2)
-    summary, _ = run_inprocess(config, num_nodes=2)
+    summary, _ = run_inprocess({**config, "overwrite": True}, num_nodes=2)
     assert summary["rounds"] == 1
     assert len(records(run_dir_of(config), "server")) == 1
 

@@ -141,7 +141,7 @@ class FederatedStrategy:
         self.nodes: dict[int, NodeInfo] = {}
         self.federation_size = 0  # N: the nodes known when the round started (a node rejected in it still counts)
         self.stats = RoundStats()
-        self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint")
+        self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint", keep=cfg.keep_checkpoints)
         self.registry = SiteRegistry.load(cfg.site_registry) if cfg.site_registry else None
         self.setup(initial)
 
@@ -178,19 +178,22 @@ class FederatedStrategy:
         )
 
     def restore(self, directory: Path) -> None:
-        arrays, meta = Checkpointer(directory).load()
+        from ..config import defaults  # config imports the strategies: only here, not at module level
+
+        store = Checkpointer(directory)
+        arrays, meta = store.load()
         if meta.get("strategy") != self.name:
             raise ValueError(f"checkpoint in {directory} is from strategy {meta.get('strategy')!r}, not {self.name!r}")
-        differing = {
-            k: (v, meta["config"].get(k)) for k, v in self.cfg.fingerprint().items() if meta["config"].get(k) != v
-        }
+        before = defaults()  # a key added since the checkpoint was written had its default then
+        then_of = {k: meta["config"].get(k, before.get(k)) for k in self.cfg.fingerprint()}
+        differing = {k: (v, then_of[k]) for k, v in self.cfg.fingerprint().items() if then_of[k] != v}
         if differing:
             key, (now, then) = next(iter(differing.items()))
             raise ValueError(f"cannot resume: run-config '{key}' is {now!r} now but was {then!r} in {directory}")
         self.load_state(arrays, meta.get("strategy_meta", {}))
         self.completed_rounds = int(meta["completed_rounds"])
         self.elapsed_s = float(meta.get("elapsed_s", 0.0))
-        log(INFO, "[medflower] resumed %s from %s after round %d", self.name, directory, self.completed_rounds)
+        log(INFO, "[medflower] resumed %s from %s after round %d", self.name, store.loaded, self.completed_rounds)
 
     # ------------------------------------------------------------------ messaging
     def base_config(self, rnd: int, **extra: Any) -> ConfigRecord:
