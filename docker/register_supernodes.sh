@@ -1,19 +1,11 @@
 #!/bin/sh
-# Register every SuperNode public key in /certs/supernodes with the SuperLink (compose "register" service).
-# Usage: register_supernodes.sh <superlink host:port>
+# Register every site public key in /public/supernodes with the SuperLink (compose "register" service,
+# run through operator.sh). Only public keys are read here: each site made its own key pair and handed over
+# its .pub (docs/deployment.md, "TLS and authenticated SuperNodes").
 set -eu
-address="${1:-superlink:9200}"
-mkdir -p "$FLWR_HOME"
-cat > "$FLWR_HOME/config.toml" <<TOML
-[superlink]
-default = "compose"
-
-[superlink.compose]
-address = "$address"
-root-certificates = "/certs/ca.crt"
-TOML
-for pub in /certs/supernodes/*.pub; do
+for pub in /public/supernodes/*.pub; do
     site=$(basename "$pub" .pub)
-    flwr supernode register "$pub" compose --name "$site" || echo "($site was registered before)"
+    python /app/docker/make_certs.py accept --out /tmp/accepted "$pub"  # refuses anything but a public key
+    flwr supernode register "$pub" medflower || echo "($site: not registered now; registered before, or see the error above)"
 done
-flwr supernode ls compose
+flwr supernode ls medflower

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,27 @@ from pathlib import Path
 from typing import Any
 
 APP_DIR = Path(__file__).resolve().parents[1]
+FLEET_PROXY_CONF = APP_DIR / "docker" / "nginx.conf"  # the hospital-facing nginx front of the SuperLink
+
+
+def find_nginx() -> str | None:
+    """The nginx binary (Debian puts it in /usr/sbin, which a non-root PATH may lack), or None."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/sbin")
+
+
+def render_fleet_proxy_conf(template: str, listen_port: int, superlink_port: int, certs: Path, workdir: Path) -> str:
+    """docker/nginx.conf for loopback: its compose ports and paths replaced, every rule kept as shipped."""
+    replacements = {
+        "listen 9200 ssl;": f"listen 127.0.0.1:{listen_port} ssl;",
+        "server 127.0.0.1:9100;": f"server 127.0.0.1:{superlink_port};",
+        "/certs/": f"{Path(certs).resolve()}/",
+        "/tmp/nginx": f"{workdir}/nginx",
+    }
+    for old, new in replacements.items():
+        if old not in template:
+            raise ValueError(f"the fleet proxy config has no {old!r} to replace")
+        template = template.replace(old, new)
+    return template
 
 
 def free_port() -> int:
@@ -78,6 +100,9 @@ class LoopbackFederation:
     auth_keys: dict[int, Path] = field(default_factory=dict)  # supernode index -> private key (.pub beside it)
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_ADDRESS to use an existing Ray cluster
     federation_config: dict[str, Any] = field(default_factory=dict)  # simulation, e.g. client-resources-num-cpus
+    # With fleet_proxy (needs tls_dir and the nginx binary), SuperNodes reach the SuperLink only through
+    # docker/nginx.conf on its own port (fleet_port), as in the compose demo; `flwr` uses the SuperLink port.
+    fleet_proxy: bool = False
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -89,6 +114,10 @@ class LoopbackFederation:
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         # Flower 1.41 serves the Fleet, Control and Runtime APIs on one HTTP port.
         self.port, self.health_port = free_port(), free_port()
+        self.fleet_port = free_port() if self.fleet_proxy else self.port
+        if self.fleet_proxy and not self.tls_dir:
+            raise ValueError("fleet_proxy needs tls_dir (the proxy serves the SuperLink certificate)")
+        self.proxy: subprocess.Popen | None = None
         self.superlink: subprocess.Popen | None = None
         self.supernodes: dict[str, subprocess.Popen] = {}
         self.runs: list[subprocess.Popen] = []
@@ -141,6 +170,20 @@ class LoopbackFederation:
         self.superlink = self._spawn("superlink", cmd)
         wait_for_port(self.port)
 
+    def start_fleet_proxy(self) -> None:
+        """nginx with docker/nginx.conf in front of the SuperLink: Fleet routes only, on fleet_port."""
+        nginx = find_nginx()
+        if nginx is None:
+            raise FileNotFoundError("fleet_proxy needs nginx (Debian: apt-get install nginx)")
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(
+            render_fleet_proxy_conf(
+                FLEET_PROXY_CONF.read_text(), self.fleet_port, self.port, Path(self.tls_dir), self.workdir
+            )
+        )
+        self.proxy = self._spawn("nginx", [nginx, "-e", "stderr", "-c", str(conf)])
+        wait_for_port(self.fleet_port, timeout=20)
+
     def register(self, public_key: Path) -> subprocess.CompletedProcess:
         """``flwr supernode register <key.pub> loopback`` (SuperNode authentication)."""
         return self.flwr("supernode", "register", str(public_key), "loopback", timeout=60)
@@ -158,7 +201,7 @@ class LoopbackFederation:
         cmd = [
             "flower-supernode",
             "--superlink",
-            f"127.0.0.1:{self.port}",
+            f"127.0.0.1:{self.fleet_port}",
             "--port",
             str(free_port()),
             "--node-config",
@@ -194,6 +237,8 @@ class LoopbackFederation:
         try:
             self.write_connection()
             self.start_superlink()
+            if self.fleet_proxy:
+                self.start_fleet_proxy()
             for _index, key in sorted(self.auth_keys.items()):
                 self.register(Path(key).with_suffix(".pub"))
             if not self.simulation:
@@ -227,6 +272,7 @@ class LoopbackFederation:
         for proc in [*self.runs, *self.supernodes.values()]:
             self.stop(proc)
         self.stop(self.superlink)
+        self.stop(self.proxy)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             leftovers = self._leftovers()
             for pid in leftovers:
