@@ -112,7 +112,8 @@ def check_arrays(content: RecordDict, expected: ArraySpec | None, value_limit: f
     spec = dict(expected or {})
     if not spec:
         if names:
-            raise RejectedReply(f"{len(names)} arrays where none are expected")
+            shown = [str(k)[:MAX_NAME] for k in names[:3]]
+            raise RejectedReply(f"wrong array names ({len(names)} arrays where none are expected, unexpected {shown})")
         return OrderedDict()
     missing = [k for k in spec if k not in names]
     unexpected = [k for k in names if k not in spec]
