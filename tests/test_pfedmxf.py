@@ -375,12 +375,12 @@ def test_sites_with_different_budgets_aggregate_together(tiny):
             ],
         ),
         (
-            {"pfedmxf-n-frequency": "6000,3000,64"},
-            [{}, {}, {"n-frequency": 300}],
+            {"pfedmxf-n-frequency": "6200,3100,64"},
+            [{}, {}, {"n-frequency": 300}],  # without site-2's own budget the others still do not fit
             [
-                "run-config 'pfedmxf-n-frequency' = '6000,3000,64' is invalid: the sites' budgets (site-0=6000, "
-                "site-1=3000, site-2=300; a node-config n-frequency wins) sum to 9300 per task; 2 tasks x 9300 = "
-                "18600 coordinates needed",
+                "run-config 'pfedmxf-n-frequency' = '6200,3100,64' is invalid: the sites' budgets (site-0=6200, "
+                "site-1=3100, site-2=300; a node-config n-frequency wins) sum to 9600 per task; 2 tasks x 9600 = "
+                "19200 coordinates needed",
                 "lower n-frequency to at most 3072 for every site, or make the budgets sum to at most 9217 per task",
             ],
         ),
@@ -424,6 +424,21 @@ def test_a_plan_that_does_not_fit_is_refused_before_any_training_message(tiny, o
         run_experiment(grid, config)
     assert all(part in str(refused.value) for part in expected), str(refused.value)
     assert {m.metadata.message_type for m in grid.sent} == {"query"}
+
+
+def test_one_sites_own_budget_that_overflows_the_plan_refuses_that_site_only(tiny):
+    """A node-config n-frequency that makes the blocks overflow (alone: 10^9; together: 300 beside 6000 + 3000) is
+    one site's problem: that site is refused and counted, the others train."""
+    from medflower.inprocess import run_inprocess
+
+    for budget in (300, 10**9):
+        config = tiny(**{**INCREMENTAL, "strategy": "pfedmxf", "run-name": f"own-{budget}"})
+        config["pfedmxf-n-frequency"] = "6000,3000,64"
+        summary, _ = run_inprocess(config, 3, node_configs=[{}, {}, {"n-frequency": budget}])
+        first = records(run_dir_of(config), "server")[0]
+        assert first["num_rejected"] == 1 and "n-frequency" in first["rejected"][0], first["rejected"]
+        assert {r["client"] for r in records(run_dir_of(config), "train")} == {"site-0", "site-1"}
+        assert summary["rounds"] == 4
 
 
 def test_a_dropped_site_keeps_its_coefficients_in_the_union(tiny, monkeypatch):

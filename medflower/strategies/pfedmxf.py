@@ -509,7 +509,8 @@ class PFedMxF(IncrementalStrategy):
         if phase == "query" and "n-frequency" in reply.metrics:
             if count_check(reply.metrics, "n-frequency") or reply.metrics["n-frequency"] < 1:
                 return "n-frequency must be a positive integer"
-            if not self.fits([int(reply.metrics["n-frequency"])]):
+            own = int(reply.metrics["n-frequency"]) != self.configured_budget(reply.partition_id)
+            if own and not self.fits([int(reply.metrics["n-frequency"])]):  # the run config's: check_plan says
                 return f"n-frequency {int(reply.metrics['n-frequency'])} does not fit the q/k matrices even alone"
         return None
 
@@ -517,8 +518,8 @@ class PFedMxF(IncrementalStrategy):
         """Refuse ``candidates`` (last first) until the known sites' blocks fit together: one site cannot stop the
         run. Nothing is refused when refusing all of them would not make the plan fit (a run-config problem)."""
         rest = [n for n in self.ordered_nodes() if n not in candidates]
-        if not candidates or not self.fits([self.n_frequency(n) for n in rest]):
-            return
+        if not candidates or not rest or not self.fits([self.n_frequency(n) for n in rest]):
+            return  # every site, or not enough: check_plan names the run-config key
         for node_id in reversed(candidates):
             if self.fits([self.n_frequency(n) for n in self.ordered_nodes()]):
                 return
