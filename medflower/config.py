@@ -464,8 +464,9 @@ class ExperimentConfig:
         return [n.strip() for n in self.class_names.split(",") if n.strip()]
 
     @property
-    def site_num_classes(self) -> int:
-        """With dataset='site': the run's classes (num-classes, else the length of class-names)."""
+    def declared_num_classes(self) -> int:
+        """The classes the run config declares: num-classes, else the length of class-names (only with dataset='site');
+        0 = read them from the source."""
         return self.num_classes or len(self.class_name_list)
 
     def server_class_names(self, num_classes: int) -> list[str]:

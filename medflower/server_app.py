@@ -59,9 +59,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     """Validate, build, run and write outputs; returns summary.json's content."""
     started = time.monotonic()
     cfg = ExperimentConfig.from_run_config(run_config)
-    num_classes = (cfg.site_num_classes if cfg.dataset == "site" else cfg.num_classes) or describe_source(
-        cfg.data_spec()
-    )[0]
+    num_classes = cfg.declared_num_classes or describe_source(cfg.data_spec())[0]
     for dataset in cfg.split_datasets:  # what every site would refuse at its first message, refused once here
         check_partition_supported(cfg.data_spec(dataset=dataset))
     run_dir = run_folder(cfg)

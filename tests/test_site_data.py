@@ -43,7 +43,7 @@ def site_runtime(data_path: Path, **run_config) -> ClientRuntime:
     cfg = ExperimentConfig.from_run_config({**defaults(), "dataset": "site", "img-size": 16, **run_config})
     node = {"data-path": str(data_path)}
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={})
-    return ClientRuntime(cfg, context, {"num-classes": cfg.site_num_classes}, 0, 1, str(data_path))
+    return ClientRuntime(cfg, context, {"num-classes": cfg.declared_num_classes}, 0, 1, str(data_path))
 
 
 def site_labels(runtime: ClientRuntime) -> dict[str, int]:

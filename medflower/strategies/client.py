@@ -96,7 +96,7 @@ class ClientRuntime:
         if self.data_path is not None:
             base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
             classes = SiteClasses(
-                int(self.config.get("num-classes") or self.cfg.site_num_classes), tuple(self.cfg.class_name_list)
+                int(self.config.get("num-classes") or self.cfg.declared_num_classes), tuple(self.cfg.class_name_list)
             )
             task = None if self.cfg.site_dataset_list else self.cfg.model_task
             return load_site_data(base, self.data_path, classes, task)

@@ -183,6 +183,15 @@ class IncrementalClient(ClientHalf):
         return self.reply(metrics=metrics)
 
 
+def configured_budget(cfg, partition_id: int) -> int | None:
+    """The budget the run config gives a partition: pfedmxf-n-frequency[partition] when it lists sites (None when it
+    lists too few), else n-frequency."""
+    per_site = [int(p) for p in cfg.pfedmxf_n_frequency.split(",") if p.strip()]
+    if not per_site:
+        return cfg.n_frequency
+    return per_site[partition_id] if partition_id < len(per_site) else None
+
+
 class PFedMxFClient(IncrementalClient):
     """Own coefficients trainable, everyone else's of the task frozen, past tasks merged."""
 
@@ -196,15 +205,13 @@ class PFedMxFClient(IncrementalClient):
         rt = self.rt
         if rt.context.node_config.get("n-frequency"):
             return int(rt.context.node_config["n-frequency"])
-        per_site = [int(p) for p in rt.cfg.pfedmxf_n_frequency.split(",") if p.strip()]
-        if not per_site:
-            return rt.cfg.n_frequency
-        if rt.partition_id >= len(per_site):
+        budget = configured_budget(rt.cfg, rt.partition_id)
+        if budget is None:
             raise DataError(
-                f"run-config pfedmxf-n-frequency lists {len(per_site)} sites but this is partition "
+                f"run-config pfedmxf-n-frequency = {rt.cfg.pfedmxf_n_frequency!r} has no value for partition "
                 f"{rt.partition_id}; give one value per partition id"
             )
-        return per_site[rt.partition_id]
+        return budget
 
     def query(self, message: Message) -> RecordDict:
         content = super().query(message)
@@ -493,9 +500,9 @@ class PFedMxF(IncrementalStrategy):
         return int(self.nodes[node_id].extra.get("n-frequency", self.cfg.n_frequency))
 
     def configured_budget(self, partition_id: int) -> int:
-        """The budget the run config gives a partition (pfedmxf-n-frequency, else n-frequency)."""
-        per_site = [int(p) for p in self.cfg.pfedmxf_n_frequency.split(",") if p.strip()]
-        return per_site[partition_id] if partition_id < len(per_site) else self.cfg.n_frequency
+        """What the run config gives a partition (n-frequency where pfedmxf-n-frequency lists too few sites)."""
+        budget = configured_budget(self.cfg, partition_id)
+        return self.cfg.n_frequency if budget is None else budget
 
     def fits(self, budgets: list[int]) -> bool:
         modules = list(self.modules.values())
@@ -529,28 +536,6 @@ class PFedMxF(IncrementalStrategy):
                 "plan",
                 info.client,
                 f"{why} makes the sites' blocks exceed the q/k matrices; refused",
-            )
-
-    def drop_raised_budgets(self) -> None:
-        """When the known sites' budgets do not fit together, refuse the sites that raised their own budget above
-        the run config's (node-config n-frequency), if that makes the plan fit: one site cannot stop the run."""
-        nodes = self.ordered_nodes()
-        raised = [n for n in nodes if self.n_frequency(n) > self.configured_budget(self.nodes[n].partition_id)]
-        rest = [n for n in nodes if n not in raised]
-        if (
-            not raised
-            or self.fits([self.n_frequency(n) for n in nodes])
-            or not self.fits([self.n_frequency(n) for n in rest])
-        ):
-            return
-        for node_id in raised:
-            info = self.nodes.pop(node_id)
-            self.reject(
-                self.completed_rounds + 1,
-                "plan",
-                info.client,
-                f"its node-config n-frequency {info.extra.get('n-frequency')} makes the sites' blocks exceed the q/k "
-                "matrices; refused",
             )
 
     def check_plan(self) -> None:

@@ -105,11 +105,12 @@ def derive_seed(*parts: int) -> int:
 def record_bytes(content: RecordDict) -> int:
     """Bytes of the array values a message carries (what the round's bytes_up / bytes_down count), from the
     arrays' metadata: nothing is decoded (a reply is counted before it is checked)."""
-    total = 0
-    for record in content.array_records.values():
-        for array in record.values():
-            try:
-                total += int(np.dtype(array.dtype).itemsize) * int(np.prod([int(n) for n in array.shape]))
-            except (TypeError, ValueError):
-                total += len(array.data)
-    return total
+    return sum(array_nbytes(a) for record in content.array_records.values() for a in record.values())
+
+
+def array_nbytes(array: Array) -> int:
+    """Bytes of an array's values from its metadata (nothing decoded); its serialized size if that is unreadable."""
+    try:
+        return int(np.dtype(array.dtype).itemsize) * int(np.prod([int(n) for n in array.shape]))
+    except (TypeError, ValueError):
+        return len(array.data)

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from ..results import RESERVED_FIELDS
-from .records import ArraySpec
+from .records import ArraySpec, validate_arrays
 
 RECORDS = {"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord}
 INFO_KEYS = frozenset({"partition-id", "client"})
@@ -93,14 +93,6 @@ def check_metrics(content: RecordDict) -> dict[str, Any]:
     return metrics
 
 
-def array_nbytes(array: Array) -> int:
-    """Bytes of an array's values from its metadata (nothing decoded); its serialized size if that is unreadable."""
-    try:
-        return int(np.dtype(array.dtype).itemsize) * math.prod(int(n) for n in array.shape)
-    except (TypeError, ValueError):
-        return len(array.data)
-
-
 def check_arrays(content: RecordDict, expected: ArraySpec | None, value_limit: float) -> OrderedDict[str, np.ndarray]:
     """The arrays of ``expected`` and nothing else: metadata and byte sizes first, then the decoded values.
 
@@ -139,10 +131,8 @@ def check_arrays(content: RecordDict, expected: ArraySpec | None, value_limit: f
             value = record[name].numpy()  # numpy's npy reader, pickles refused
         except (TypeError, ValueError, EOFError, OSError) as err:
             raise RejectedReply(f"array {name} is not a valid npy payload ({type(err).__name__})") from None
-        if tuple(value.shape) != tuple(shape) or str(value.dtype) != dtype:
-            raise RejectedReply(f"array {name} decodes to {value.dtype}{tuple(value.shape)}, not its metadata")
-        if not np.isfinite(value).all():
-            raise RejectedReply(f"array {name} has NaN/Inf values")
+        if problem := validate_arrays({name: value}, {name: (shape, dtype)}):  # the payload may belie its metadata
+            raise RejectedReply(problem)
         if value.size and float(np.abs(value).max()) > value_limit:
             raise RejectedReply(f"array {name} has values beyond ±{value_limit:g} (run-config reply-value-limit)")
         arrays[name] = value

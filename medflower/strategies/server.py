@@ -24,7 +24,7 @@ from ..data.tasks import parse_task_classes
 from ..options import Option
 from ..results import RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, non_finite
 from .records import (
     ArraySpec,
     capped_shares,
@@ -454,8 +454,7 @@ class FederatedStrategy:
 
     def non_finite_state(self) -> str | None:
         """Why the state after a round must not be kept (an array with NaN/Inf), or None."""
-        arrays, _ = self.state()
-        bad = [k for k, v in arrays.items() if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()]
+        bad = non_finite(self.state()[0])
         return f"the aggregate is not finite ({len(bad)} arrays with NaN/Inf, e.g. {bad[0]})" if bad else None
 
     def run_round(self, grid: Grid, rnd: int) -> None:
