@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from .data import PARTITIONS, SOURCE_KINDS, DataSpec, describe_source
-from .data.spec import ARGLESS_KINDS, SEGMENTATION_KINDS, unsupported_partition
+from .data.maskmap import parse_mask_values
+from .data.spec import (
+    ARGLESS_KINDS,
+    SEGMENTATION_KINDS,
+    parse_augment,
+    parse_empty_slices,
+    parse_intensity,
+    unsupported_partition,
+)
 from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
 from .options import (
+    Check,
     ConfigError,
     Option,
     bad,
@@ -52,7 +61,10 @@ class _RegisteredStrategy:
 
 def _dataset_check(v: str) -> str | None:
     kind = v.split(":", 1)[0]
-    valid = "valid choices are synthetic, synthetic-seg, medmnist:<flag>, csv:<manifest.csv>, segfolder:<root>, site"
+    valid = (
+        "valid choices are synthetic, synthetic-seg, medmnist:<flag>, csv:<manifest.csv>, segfolder:<root>, "
+        "volumes:<root>, site"
+    )
     if v == "site":
         return None
     if kind not in SOURCE_KINDS:
@@ -87,6 +99,23 @@ def _site_datasets(v: Any) -> str:
         if (why := _dataset_check(entry)) or entry == "site":
             raise ValueError(f"entry {entry!r}: {why or 'site data comes from node-config data-path'}")
     return text
+
+
+def _parsed(parse: Callable[[str], Any]) -> Check:
+    """A check that runs one of the data layer's parsers (the same one the sites use) and returns its reason."""
+
+    def check(v: str) -> str | None:
+        try:
+            parse(v)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
+def _axis_check(v: int) -> str | None:
+    return None if v in (0, 1, 2) else "valid choices are 0, 1, 2"
 
 
 def _seed_check(v: int) -> str | None:
@@ -138,7 +167,8 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option(
         "dataset",
         "synthetic",
-        "synthetic | synthetic-seg | medmnist:<flag> | csv:<manifest.csv> | segfolder:<root> | site (each "
+        "synthetic | synthetic-seg | medmnist:<flag> | csv:<manifest.csv> | segfolder:<root> | volumes:<root> | "
+        "site (each "
         "SuperNode's node-config data-path; needs num-classes)",
         _dataset_check,
         "data",
@@ -146,7 +176,8 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option(
         "task",
         "auto",
-        "auto = segmentation for synthetic-seg/segfolder sources, else classification; set it for dataset='site'",
+        "auto = segmentation for synthetic-seg/segfolder/volumes sources, else classification; set it for "
+        "dataset='site'",
         one_of("auto", "classification", "segmentation"),
         "data",
     ),
@@ -160,6 +191,40 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"
     ),
     Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
+    Option(
+        "intensity",
+        "auto",
+        "how >8-bit and float images (16-bit PNG/TIFF, DICOM, NIfTI) become 0..255: auto (8-bit as is, DICOM's own "
+        "window if it has one, else percentile:0.5,99.5), none, minmax, percentile:<low>,<high>, "
+        "window:<center>,<width>",
+        _parsed(parse_intensity),
+        "data",
+    ),
+    Option("slice-axis", 2, "volumes: the array axis 2-D slices are cut across (0, 1 or 2)", _axis_check, "data"),
+    Option(
+        "empty-slices",
+        "keep",
+        "volumes: slices whose mask has no foreground: keep, drop, or keep:<fraction> (a seeded share per case)",
+        _parsed(parse_empty_slices),
+        "data",
+    ),
+    Option(
+        "mask-values",
+        "",
+        "what each mask value stands for, '<value>=<structure>[+<structure>],...' (e.g. '0=disc+cup,128=disc,255=' "
+        "for REFUGE, '0=,1=peripheral,2=transition' for a label map); one output per structure; empty = binary "
+        "(0/255, 0/1) or class-index masks",
+        _parsed(parse_mask_values),
+        "data",
+    ),
+    Option(
+        "augment",
+        "",
+        "training-only augmentation, seeded: a comma list of crop:<fraction>, flip, vflip, rotate:<degrees>, "
+        "jitter:<strength>; empty = none",
+        _parsed(parse_augment),
+        "data",
+    ),
     Option(
         "class-names",
         "",
@@ -425,7 +490,7 @@ class ExperimentConfig:
                 )
         elif kind == "csv" and not Path(arg).expanduser().is_file():
             raise bad(key, dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
-        elif kind == "segfolder" and not Path(arg).expanduser().is_dir():
+        elif kind in ("segfolder", "volumes") and not Path(arg).expanduser().is_dir():
             raise bad(key, dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
 
     @property
@@ -490,6 +555,11 @@ class ExperimentConfig:
             seed=self.seed,
             synthetic_size=self.synthetic_size,
             use_source_splits=self.use_source_splits,
+            intensity=self.intensity,
+            slice_axis=self.slice_axis,
+            empty_slices=self.empty_slices,
+            mask_values=self.mask_values,
+            augment=self.augment,
             qbli_classes=self.qbli_classes,
             task_classes=self.task_classes,
             classes_per_task=self.classes_per_task,

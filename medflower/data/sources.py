@@ -73,6 +73,8 @@ class Source:
     labels: np.ndarray  # int64 (N,)
     class_names: tuple[str, ...]  # segmentation: the foreground classes (mask values 1..K)
     splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
+    # per row: the patient, case or video sequence it comes from; no group spans two partitions or two splits
+    groups: np.ndarray | None = None
     task: str = "classification"  # or "segmentation"
     styled_by_partition: bool = False  # each partition renders its rows in its own site style
     # True when the rows named their classes (a manifest with text labels): ``class_names`` are those names,
@@ -246,7 +248,7 @@ class MedmnistSource(Source):
 
 
 class CsvSource(Source):
-    """A csv manifest with columns path,label[,site][,split]; images are read lazily."""
+    """A csv manifest with columns path,label[,site][,split][,group]; images are read lazily."""
 
     written_labels = True
 
@@ -258,6 +260,7 @@ class CsvSource(Source):
         self.labels, self.class_names = self._parse_labels(frame["label"])
         self.splits = self._parse_splits(frame["split"]) if "split" in frame else None
         self.site_values = frame["site"].to_numpy(dtype=str) if "site" in frame else None
+        self.groups = self._parse_groups(frame["group"]) if "group" in frame else None
         self.paths = self._resolve_paths(frame["path"])
 
     @staticmethod
@@ -308,6 +311,14 @@ class CsvSource(Source):
                             f"{bad.sum()} row(s) have other values: "
                             + list_rows(self._bad_rows(bad, column)))
         return splits.to_numpy(dtype=str)
+
+    def _parse_groups(self, column: pd.Series) -> np.ndarray:
+        missing = column.isin(NA_LABELS).to_numpy()
+        if missing.any():
+            raise DataError(f"{self.manifest}: the group column (patient, case or video of a row) is empty in "
+                            f"{missing.sum()} row(s): " + list_rows(self._bad_rows(missing, column))
+                            + "; give every row its group, or drop the column")
+        return column.to_numpy(dtype=str)
 
     def _resolve_paths(self, column: pd.Series) -> list[str]:
         """Image paths resolved against the manifest's folder; a path that leaves it (absolute, '~', or '..'

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
+SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder", "volumes")
 ARGLESS_KINDS = ("synthetic", "synthetic-seg")  # kinds written without ":<argument>"
-SEGMENTATION_KINDS = ("synthetic-seg", "segfolder")
+SEGMENTATION_KINDS = ("synthetic-seg", "segfolder", "volumes")
 PARTITIONS = ("natural", "iid", "dirichlet", "pathological", "qbli")
 LABEL_PARTITIONS = ("dirichlet", "pathological", "qbli")  # skew by class label: classification sources only
 SITELESS_KINDS = ("medmnist",)  # a MedMNIST file has no site per row, so no natural partition
@@ -49,6 +50,7 @@ class DataSpec:
     """Where the data comes from and how it is split over clients (hashable, used as cache key)."""
 
     # "synthetic" | "medmnist:<flag>" | "csv:<manifest path>" | "synthetic-seg" | "segfolder:<root>"
+    # | "volumes:<root>"
     dataset: str = "synthetic"
     data_dir: str = "data"  # folder of <flag>.npz / <flag>_<size>.npz for medmnist
     partition: str = "dirichlet"  # natural | iid | dirichlet | pathological | qbli
@@ -66,13 +68,20 @@ class DataSpec:
     synthetic_size: int = 2400  # total samples of the synthetic (and synthetic-seg) pool
     synthetic_classes: int = 8  # synthetic only; synthetic-seg always has 2 foreground classes
     use_source_splits: bool = True  # rows with a source split label (medmnist, csv `split`) keep it
+    # Medical images (docs/data.md#medical-image-formats): intensity of >8-bit images, volume slicing, mask maps
+    intensity: str = "auto"  # auto | none | minmax | percentile:<low>,<high> | window:<center>,<width>
+    slice_axis: int = 2  # volumes: the array axis 2-D slices are cut across
+    empty_slices: str = "keep"  # volumes: slices without foreground: keep | drop | keep:<fraction>
+    mask_values: str = ""  # '<value>=<structure>[+<structure>...],...'; '' = binary or class-index masks
+    augment: str = ""  # training-only augmentation: '' or a comma list (parse_augment)
+    cache_dir: str = ""  # this site's decoded-image cache folder ('' = no disk cache); not part of the run config
 
     def __post_init__(self) -> None:
         problems = []
         kind, _, arg = self.dataset.partition(":")
         if kind not in SOURCE_KINDS or (kind in ARGLESS_KINDS) == bool(arg):
             problems.append(f"dataset {self.dataset!r} is not one of synthetic, medmnist:<flag>, "
-                            "csv:<manifest>, synthetic-seg, segfolder:<root>")
+                            "csv:<manifest>, synthetic-seg, segfolder:<root>, volumes:<root>")
         if self.partition not in PARTITIONS:
             problems.append(f"partition {self.partition!r} is not one of {', '.join(PARTITIONS)}")
         if not self.dirichlet_alpha > 0:
@@ -89,6 +98,20 @@ class DataSpec:
                             f"got {self.val_fraction} + {self.test_fraction}")
         if self.img_size < 1:
             problems.append(f"img_size must be >= 1, got {self.img_size}")
+        for name, parse in (("intensity", parse_intensity), ("empty_slices", parse_empty_slices),
+                            ("augment", parse_augment)):
+            try:
+                parse(getattr(self, name))
+            except ValueError as exc:
+                problems.append(f"{name} {getattr(self, name)!r}: {exc}")
+        from .maskmap import parse_mask_values  # maskmap imports DataError from here
+
+        try:
+            parse_mask_values(self.mask_values)
+        except ValueError as exc:
+            problems.append(f"mask_values {self.mask_values!r}: {exc}")
+        if self.slice_axis not in (0, 1, 2):
+            problems.append(f"slice_axis must be 0, 1 or 2, got {self.slice_axis}")
         if self.synthetic_size < 1 or self.synthetic_classes < 2:
             problems.append("synthetic_size must be >= 1 and synthetic_classes >= 2")
         if problems:
@@ -103,3 +126,89 @@ class DataSpec:
     def source_arg(self) -> str:
         """The part after the colon: medmnist flag, csv manifest or segfolder root ('' for synthetic*)."""
         return self.dataset.partition(":")[2]
+
+
+# ----------------------------------------------------------------------------- option strings
+def _numbers(text: str, count: int, what: str) -> tuple[float, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != count or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"expected {what}")
+    return values
+
+
+def parse_intensity(text: str) -> tuple[str, tuple[float, ...]]:
+    """(mode, parameters) of an ``intensity`` setting: how a >8-bit or float image becomes 0..255.
+
+    ``auto``: 8-bit images as they are, others percentile 0.5-99.5 (a DICOM with a VOI LUT or window: that
+    window); ``none``: values clipped to 0..255 as they are; ``minmax``: the image's range;
+    ``percentile:<low>,<high>``: clip to those percentiles of the image, then scale; ``window:<center>,<width>``:
+    a fixed window (DICOM's linear VOI: center - width/2 .. center + width/2), the same for every image.
+    """
+    mode, _, arg = text.strip().partition(":")
+    if mode in ("auto", "none", "minmax") and not arg:
+        return mode, ()
+    if mode == "percentile":
+        low, high = _numbers(arg, 2, "percentile:<low>,<high> with 0 <= low < high <= 100")
+        if not 0 <= low < high <= 100:
+            raise ValueError("expected percentile:<low>,<high> with 0 <= low < high <= 100")
+        return mode, (low, high)
+    if mode == "window":
+        center, width = _numbers(arg, 2, "window:<center>,<width> with width > 0")
+        if not width > 0:
+            raise ValueError("expected window:<center>,<width> with width > 0")
+        return mode, (center, width)
+    raise ValueError("valid forms are auto, none, minmax, percentile:<low>,<high>, window:<center>,<width>")
+
+
+def parse_empty_slices(text: str) -> float:
+    """The share of a volume's slices without foreground that are kept: ``keep`` = 1, ``drop`` = 0,
+    ``keep:<fraction>`` = that share (a seeded choice per case)."""
+    text = text.strip()
+    if text == "keep":
+        return 1.0
+    if text == "drop":
+        return 0.0
+    mode, _, arg = text.partition(":")
+    if mode == "keep" and arg:
+        (fraction,) = _numbers(arg, 1, "keep:<fraction> with the fraction in [0, 1]")
+        if 0 <= fraction <= 1:
+            return fraction
+    raise ValueError("valid forms are keep, drop, keep:<fraction in [0, 1]>")
+
+
+AUGMENTATIONS = {  # name: (needs a value, valid range, what the value means)
+    "crop": (True, (0.1, 1.0), "side of a random square crop as a fraction of the image side, resized back"),
+    "flip": (False, None, "horizontal flip with probability 0.5"),
+    "vflip": (False, None, "vertical flip with probability 0.5"),
+    "rotate": (True, (0.0, 180.0), "rotation by a uniform angle in [-value, value] degrees"),
+    "jitter": (True, (0.0, 1.0), "brightness and contrast scaled by uniform factors in [1 - value, 1 + value]"),
+}
+
+
+def parse_augment(text: str) -> dict[str, float]:
+    """The training augmentations of an ``augment`` setting, e.g. ``crop:0.9,flip,rotate:10,jitter:0.1``
+    (name -> value; 1.0 for a flip). Empty = none."""
+    out: dict[str, float] = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name, _, arg = item.partition(":")
+        if name not in AUGMENTATIONS:
+            raise ValueError(f"unknown augmentation {name!r}; valid: {', '.join(AUGMENTATIONS)}")
+        needs_value, bounds, _ = AUGMENTATIONS[name]
+        if name in out:
+            raise ValueError(f"augmentation {name!r} is given twice")
+        if not needs_value:
+            if arg:
+                raise ValueError(f"augmentation {name!r} takes no value")
+            out[name] = 1.0
+            continue
+        (value,) = _numbers(arg, 1, f"{name}:<value> with the value in [{bounds[0]}, {bounds[1]}]")
+        if not bounds[0] <= value <= bounds[1]:
+            raise ValueError(f"{name}:<value> needs the value in [{bounds[0]}, {bounds[1]}], got {value}")
+        out[name] = value
+    return out
