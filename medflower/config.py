@@ -314,6 +314,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("optimizer", "adamw", "local optimizer", one_of("adamw", "adam", "sgd"), "train"),
     Option("momentum", 0.9, "SGD momentum", non_negative, "train"),
     Option("weight-decay", 0.0, "weight decay", non_negative, "train"),
+    Option(
+        "empty-masks",
+        "skip",
+        "segmentation scores of a structure an image's ground truth lacks: skip = left out of Dice, IoU and HD95 "
+        "(false positives on such images are counted in empty_fp), one = Dice and IoU 1 when the prediction is "
+        "empty too, else 0",
+        one_of("skip", "one"),
+        "train",
+    ),
     Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
     Option(
         "max-client-share",
