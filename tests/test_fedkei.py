@@ -378,3 +378,35 @@ def test_fraction_train_samples_the_sites_of_each_task(tiny):
         assert len(messages(grid, "train", task)) == 1
     assert set(summary["tasks"]) == {"1", "2", "3"}
     assert all(len(t["per_client"]) == 1 for t in summary["tasks"].values())
+
+
+def test_a_site_lacking_a_class_takes_its_own_class_order(tiny, monkeypatch):
+    """fedkei-site-classes: site 1 learns class 3 where the run's order has class 2 (as FedKEI's Derm7pt takes VASC
+    for AK); the other site keeps the run's order, and a list of another length is refused before task 1."""
+    seen = []
+    original = fk.binary_task
+
+    def spy(dataset, order, task):
+        seen.append((tuple(order), task))
+        return original(dataset, order, task)
+
+    monkeypatch.setattr(fk, "binary_task", spy)
+    common = {**TASKS, "task-classes": "0,1,2", "num-tasks": 2}
+    run_inprocess(tiny(**common, **{"run-name": "own", "fedkei-site-classes": "1=0,1,3"}), num_nodes=2)
+    orders = {order for order, task in seen if task == 2}
+    assert orders == {(0, 1, 2), (0, 1, 3)}
+    with pytest.raises(Exception, match="fedkei-site-classes.*lists 2 classes but the run's task order has 3"):
+        run_inprocess(tiny(**common, **{"run-name": "short", "fedkei-site-classes": "1=0,3"}), num_nodes=2)
+
+
+def test_site_class_lists_are_parsed_and_checked():
+    from medflower.data import DataError
+    from medflower.data.tasks import parse_site_task_classes, site_class_order
+
+    assert parse_site_task_classes("a=MEL,NV; 2 = NV,MEL") == {"a": "MEL,NV", "2": "NV,MEL"}
+    for text in ("a", "a=", "a=x;a=y"):
+        with pytest.raises(ValueError):
+            parse_site_task_classes(text)
+    assert site_class_order([0, 1, 2], "MEL,VASC,NV", ["MEL", "NV", "AK", "VASC"], "here") == [0, 3, 1]
+    with pytest.raises(DataError, match="here: task-classes: 'SCC' is neither"):
+        site_class_order([0, 1], "MEL,SCC", ["MEL", "NV"], "here")

@@ -70,6 +70,38 @@ def client_class_order(order: Sequence[int], task_order: str, seed: int, partiti
     raise DataError(f"task-order {task_order!r}: valid choices are {', '.join(TASK_ORDERS)}")
 
 
+def parse_site_task_classes(text: str) -> dict[str, str]:
+    """Per-site class orders, ``<site>=<c_0>,<c_1>,...;<site>=...`` (a site = its partition id or its name) ->
+    {site: order text}. ValueError names a malformed or repeated entry."""
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        site, eq, order = (part.strip() for part in entry.partition("="))
+        if not eq or not site or not order:
+            raise ValueError(f"{entry!r} is not <site>=<class>,<class>,... (site = partition id or site name)")
+        if site in out:
+            raise ValueError(f"site {site!r} is listed twice")
+        out[site] = order
+    return out
+
+
+def site_class_order(run_order: Sequence[int], own: str, class_names: Sequence[str], where: str) -> list[int]:
+    """A site's own class order ``own`` (a node-config ``task-classes`` or its ``fedkei-site-classes`` entry):
+    the same number of classes as the run's order, so that task t exists on every site. A site that lacks a
+    class of the run's order names another in its place (FedKEI's Derm7pt takes VASC for AK)."""
+    try:
+        order = parse_task_classes(own, class_names)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from exc
+    if len(order) != len(run_order):
+        names = list(class_names)
+        raise DataError(f"{where} lists {len(order)} classes but the run's task order has {len(run_order)} "
+                        f"({', '.join(names[c] for c in run_order)}); a site replaces a class it lacks by another, "
+                        "it does not drop it")
+    return order
+
+
 def task_classes(order: Sequence[int], task: int) -> tuple[int, list[int]]:
     """(new class c_t, previously seen classes) of 1-based task ``task``."""
     if not 1 <= task < len(order):

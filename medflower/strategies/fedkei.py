@@ -35,8 +35,15 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
 from ..data import DataError, make_loader
-from ..data.tasks import binary_task, client_class_order, count_tasks, parse_task_classes
-from ..options import Option, non_negative, one_of, positive
+from ..data.tasks import (
+    binary_task,
+    client_class_order,
+    count_tasks,
+    parse_site_task_classes,
+    parse_task_classes,
+    site_class_order,
+)
+from ..options import Option, bad, non_negative, one_of, positive
 from ..training import evaluate, train_epochs
 from .base import (
     ArraySpec,
@@ -96,8 +103,18 @@ class FedKEIClient(ClientHalf):
         return self.rt.round  # one iteration of the server loop is one task
 
     def class_order(self) -> list[int]:
+        """This site's class order: its own list (node-config ``task-classes``, else its ``fedkei-site-classes``
+        entry by site name or partition id) when it has one, else the run's order under ``task-order``."""
         rt = self.rt
         order = parse_task_classes(rt.cfg.task_classes, rt.data.class_names)
+        own = rt.context.node_config.get("task-classes")
+        where = "node-config task-classes"
+        if not own:
+            listed = parse_site_task_classes(rt.cfg.fedkei_site_classes)
+            key = next((k for k in (rt.client, str(rt.partition_id)) if k in listed), None)
+            own, where = listed.get(key), f"run-config fedkei-site-classes entry {key!r}"
+        if own:
+            return site_class_order(order, str(own), rt.data.class_names, where)
         return client_class_order(order, rt.cfg.task_order, rt.cfg.seed, rt.partition_id)
 
     def task_split(self, split: str):
@@ -229,6 +246,16 @@ class FedKEIClient(ClientHalf):
 
 # ----------------------------------------------------------------------------- server half
 VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
+
+
+def _site_classes_check(v: str) -> str | None:
+    try:
+        parse_site_task_classes(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 OPTIONS = (
     Option(
         "task-epochs",
@@ -250,6 +277,14 @@ OPTIONS = (
         3,
         "fedkei: k-means++ clusters of the pooled adapters (K = min(K, pool size))",
         positive,
+        "fedkei",
+    ),
+    Option(
+        "fedkei-site-classes",
+        "",
+        "fedkei: per-site class orders '<site>=<c_0>,<c_1>,...;...' (site = name or partition id), each as long as "
+        "task-classes: a site lacking a class names another in its place; a site's node-config task-classes wins",
+        _site_classes_check,
         "fedkei",
     ),
     Option("fedkei-k-head", 3, "fedkei: k-means++ clusters of the pooled heads", positive, "fedkei"),
@@ -292,6 +327,12 @@ class FedKEI(FederatedStrategy):
         self.parts = split_parts(self.spec)
         self.pool = KnowledgePool(self.recorder.run_dir / "checkpoint" / "pool", self.spec)
         self.num_tasks = count_tasks(self.task_class_order(), cfg.num_tasks)
+        names = cfg.server_class_names(self.num_classes)
+        for site, own in parse_site_task_classes(cfg.fedkei_site_classes).items():
+            try:
+                site_class_order(self.task_class_order(), own, names, f"site {site!r}")
+            except DataError as exc:
+                raise bad("fedkei-site-classes", cfg.fedkei_site_classes, str(exc)) from exc
         log(
             INFO,
             "[medflower] fedkei (variant %s, %s gradient): %d tasks; module %d adapter + %d head parameters",
