@@ -78,7 +78,7 @@ def site_rows(sites=("b-hosp", "a-hosp", "c-hosp"), per_site=12, num_classes=2) 
 
 
 def test_public_constants():
-    assert SOURCE_KINDS == ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder")
+    assert SOURCE_KINDS == ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder", "volumes")
     assert PARTITIONS == ("natural", "iid", "dirichlet", "pathological", "qbli")
     with pytest.raises(DataError, match="partition"):
         DataSpec(partition="random")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.utils.data import Dataset
 
-from .partition import partition_rows, split_client_rows
+from .partition import partition_rows, source_grouping, split_client_rows
 from .sources import Source, open_source
 from .spec import DataError, DataSpec
 
@@ -18,7 +18,8 @@ class ClientData:
 
     Items are (uint8 HxWx3 / HxW numpy image, int label) for classification and (image, uint8
     HxW mask of class indices 0..num_classes, 0 = background) for segmentation, where
-    ``num_classes`` / ``class_names`` count the foreground classes only.
+    ``num_classes`` / ``class_names`` count the foreground classes only. ``train`` carries the
+    run's ``augment`` setting as an attribute, which shuffled (training) loaders apply.
     """
 
     train: Dataset
@@ -43,10 +44,20 @@ def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> 
 
 def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: int, num_partitions: int,
                site: str | None) -> ClientData:
-    """``source``'s ``rows`` (one partition) split into train/val/test, seeded per partition."""
+    """``source``'s ``rows`` (one partition) split into train/val/test, seeded per partition.
+
+    A source with groups is split by group, so no patient, case or video spans two splits
+    (docs/data.md#splits-without-leakage). Only the train split carries ``spec.augment`` (as ``augment``), which
+    a shuffled loader applies (docs/data.md#augmentation).
+    """
     source_splits = source.splits[rows] if spec.use_source_splits and source.splits is not None else None
-    positions = split_client_rows(source.labels[rows], source_splits, spec.val_fraction,
-                                  spec.test_fraction, seed=spec.seed + partition_id)
+    grouping = source_grouping(source, rows)  # refuses rows without a group, naming them
+    groups = None if grouping is None else np.asarray(source.groups)[rows]
+    try:
+        positions = split_client_rows(source.labels[rows], source_splits, spec.val_fraction, spec.test_fraction,
+                                      seed=spec.seed + partition_id, groups=groups)
+    except DataError as exc:
+        raise DataError(f"{source.name}: partition {partition_id} of {num_partitions}: {exc}") from exc
     sizes = ", ".join(f"{split} {len(p)}" for split, p in positions.items())
     for split, remedy in (("test", "a larger test_fraction"), ("train", "a less skewed partitioning")):
         if len(positions[split]) == 0:
@@ -57,8 +68,10 @@ def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: i
                 f"{source.name}: partition {partition_id} of {num_partitions} has an empty {split} split "
                 f"({len(rows)} rows: {sizes}); try {', '.join(remedies[:-1])} or {remedies[-1]}")
     client_rows = source.dataset(rows, partition_id, spec)
+    train = client_rows.take(positions["train"])
+    train.augment = spec.augment
     return ClientData(
-        train=client_rows.take(positions["train"]),
+        train=train,
         val=client_rows.take(positions["val"]),
         test=client_rows.take(positions["test"]),
         num_classes=source.num_classes,

@@ -2,6 +2,11 @@
 
 Every process computes the full partitioning itself from the spec, so all clients agree
 without talking to each other; the result is cached per (source, partitioning, seed).
+
+A source with ``groups`` (the patient, case or video sequence of each row) is partitioned and split by group:
+no group spans two partitions or two of train/val/test (docs/data.md#splits-without-leakage). Partitioners
+see one row per group carrying its majority label, and the partition of a group is that of all its rows.
+Without groups every partition and split is row by row, exactly as before groups existed.
 """
 
 from __future__ import annotations
@@ -66,10 +71,21 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
     sites = source.sites(num_partitions)
     if partition == "natural":
         _check_natural_sites(source, sites, num_partitions)
+    grouping = source_grouping(source)
+    labels = source.labels
+    if grouping is not None:  # partition groups, one table row per group (rows keep their group's partition)
+        if partition == "natural":
+            _check_group_sites(source, grouping, sites)
+        if num_partitions > len(grouping.names):
+            raise DataError(f"{source.name}: cannot split {len(grouping.names)} group(s) (patients, cases or "
+                            f"videos; a group never spans two partitions) into {num_partitions} partitions")
+        labels = grouping.labels(source.labels)
+        if sites is not None:
+            sites = sites[grouping.first_rows]
     table = datasets.Dataset.from_dict({
-        "index": np.arange(len(source)),
-        "label": source.labels,
-        "site": sites if sites is not None else np.full(len(source), ""),
+        "index": np.arange(len(labels)),
+        "label": labels,
+        "site": sites if sites is not None else np.full(len(labels), ""),
     })
     if partition != "natural":
         # Partitioners hand out rows of a class in table order; shuffling first keeps a
@@ -89,6 +105,8 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
     except ValueError as exc:
         raise DataError(f"{source.name}: cannot make a {partition!r} partitioning into "
                         f"{num_partitions} partitions: {exc}") from exc
+    if grouping is not None:
+        rows = tuple(grouping.rows_of(chosen) for chosen in rows)
     if partition == "natural":
         site_names = tuple(partitioner.partition_id_to_natural_id[p] for p in range(num_partitions))
     elif source.styled_by_partition:  # each partition renders in its own site style
@@ -200,12 +218,16 @@ def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partition
 
 
 def split_client_rows(labels: np.ndarray, source_splits: np.ndarray | None, val_fraction: float,
-                      test_fraction: float, seed: int) -> dict[str, np.ndarray]:
+                      test_fraction: float, seed: int, groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Positions (into ``labels``) of train/val/test; rows with a source split keep it.
 
     Rows without one are split seeded and stratified by label where sklearn can
-    (unstratified when a class is too small).
+    (unstratified when a class is too small). With ``groups`` (one name per row) whole groups are held out
+    instead (``_hold_out_groups``), so no group spans two splits; a group's rows without a source split follow
+    the split its other rows carry, and a group whose rows carry two source splits is a DataError.
     """
+    if groups is not None:
+        return _split_groups(labels, source_splits, val_fraction, test_fraction, seed, groups)
     positions = np.arange(len(labels))
     if source_splits is None:
         source_splits = np.full(len(labels), "")
@@ -228,3 +250,130 @@ def _hold_out(positions: np.ndarray, labels: np.ndarray, fraction: float,
                                       stratify=labels[positions]))
     except ValueError:  # a class with fewer than 2 rows, or fewer held-out rows than classes
         return tuple(train_test_split(positions, test_size=num_held, random_state=seed))
+
+
+# ----------------------------------------------------------------------------- groups
+@dataclass(frozen=True)
+class Grouping:
+    """The groups of some rows: sorted group names, the group (index into ``names``) of each row, and the first
+    row of each group."""
+
+    names: np.ndarray
+    of_row: np.ndarray
+    first_rows: np.ndarray
+
+    @classmethod
+    def of(cls, groups: np.ndarray) -> Grouping:
+        names, first_rows, of_row = np.unique(np.asarray(groups, dtype=str), return_index=True, return_inverse=True)
+        return cls(names, of_row.reshape(-1).astype(np.int64), first_rows.astype(np.int64))
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Rows per group."""
+        return np.bincount(self.of_row, minlength=len(self.names))
+
+    def labels(self, labels: np.ndarray) -> np.ndarray:
+        """The majority label of each group's rows (the smallest label on a tie)."""
+        pairs, counts = np.unique(np.stack([self.of_row, np.asarray(labels, dtype=np.int64)]), axis=1,
+                                  return_counts=True)
+        order = np.lexsort((pairs[1], -counts, pairs[0]))  # by group, then most rows, then smallest label
+        group = pairs[0][order]
+        first = np.r_[True, group[1:] != group[:-1]]
+        return pairs[1][order][first]
+
+    def rows_of(self, chosen: np.ndarray) -> np.ndarray:
+        """Sorted rows of the groups ``chosen`` (indices into ``names``), read-only."""
+        rows = np.flatnonzero(np.isin(self.of_row, chosen)).astype(np.int64)
+        rows.setflags(write=False)
+        return rows
+
+
+def source_grouping(source: Source, rows: np.ndarray | None = None) -> Grouping | None:
+    """The groups of ``source``'s ``rows`` (all rows by default), or None when it has none; a row without a
+    group (empty name) is a DataError naming the rows."""
+    if source.groups is None:
+        return None
+    rows = np.arange(len(source)) if rows is None else np.asarray(rows)
+    groups = np.asarray(source.groups, dtype=str)[rows]
+    blank = np.flatnonzero(groups == "")
+    if blank.size:
+        raise DataError(f"{source.name}: group column missing for some rows: the source names the patient, case "
+                        f"or video of its rows, but {blank.size} row(s) have none: "
+                        + list_rows([source.row_name(r) for r in rows[blank]])
+                        + "; give every row its group")
+    return Grouping.of(groups)
+
+
+def _check_group_sites(source: Source, grouping: Grouping, sites: np.ndarray) -> None:
+    """Refuse a natural partitioning where a group's rows lie in two sites (its rows would sit in two partitions)."""
+    pairs = np.unique(np.stack([grouping.of_row, np.unique(sites, return_inverse=True)[1].reshape(-1)]), axis=1)
+    spanning = np.unique(pairs[0][np.r_[pairs[0][1:] == pairs[0][:-1], False]])
+    if spanning.size:
+        described = [f"{str(grouping.names[g])!r} in sites "
+                     + ", ".join(sorted(set(sites[grouping.of_row == g].tolist()))) for g in spanning]
+        raise DataError(f"{source.name}: partition 'natural': {spanning.size} group(s) have rows in two or more "
+                        f"sites, so the group would span partitions: " + list_rows(described, 5)
+                        + "; a patient, case or video belongs to one site (fix the site or group column)")
+
+
+def _split_groups(labels: np.ndarray, source_splits: np.ndarray | None, val_fraction: float, test_fraction: float,
+                  seed: int, groups: np.ndarray) -> dict[str, np.ndarray]:
+    """``split_client_rows`` by group: source splits per group, then held-out groups for test and val."""
+    groups = np.asarray(groups, dtype=str)
+    if (groups == "").any():
+        raise DataError(f"group column missing for some rows: {(groups == '').sum()} of {len(groups)} row(s) "
+                        f"have no group")
+    grouping = Grouping.of(groups)
+    group_splits = np.full(len(grouping.names), "", dtype=object)
+    if source_splits is not None:
+        for g, split in sorted(set(zip(grouping.of_row.tolist(), np.asarray(source_splits, dtype=str).tolist()))):
+            if not split:
+                continue
+            if group_splits[g] and group_splits[g] != split:
+                found = sorted(set(np.asarray(source_splits, dtype=str)[grouping.of_row == g].tolist()) - {""})
+                raise DataError(f"group {str(grouping.names[g])!r} has rows in source splits {', '.join(found)}; a "
+                                f"patient, case or video must lie in one split (fix the split column, or use "
+                                f"use_source_splits=False to split by group)")
+            group_splits[g] = split
+    if len(grouping.names) == 1:
+        raise DataError(f"all {len(groups)} row(s) belong to one group ({str(grouping.names[0])!r}: one patient, "
+                        f"case or video), which cannot be split into train and test without leakage; a site needs "
+                        f"rows of at least 2 groups (3 for a val split): use fewer partitions or finer groups")
+    group_labels, sizes = grouping.labels(labels), grouping.sizes
+    free = np.flatnonzero(group_splits == "")
+    seed &= 2**64 - 1  # numpy seeds are non-negative
+    rest, test = _hold_out_groups(free, group_labels, sizes, test_fraction, [seed, 0])
+    train, val = _hold_out_groups(rest, group_labels, sizes, val_fraction / (1 - test_fraction), [seed, 1])
+    for split, drawn in (("train", train), ("val", val), ("test", test)):
+        group_splits[drawn] = split
+    row_splits = group_splits[grouping.of_row]
+    return {split: np.flatnonzero(row_splits == split).astype(np.int64) for split in SPLITS}
+
+
+def _hold_out_groups(chosen: np.ndarray, labels: np.ndarray, sizes: np.ndarray, fraction: float,
+                     seed: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) groups of ``chosen``, holding out about ``fraction`` of their rows, stratified by the
+    groups' labels, leaving at least one group kept.
+
+    A seeded greedy pass in the spirit of sklearn's StratifiedGroupKFold: in random order, a group is held out
+    when that brings its label's held-out rows closer to ``fraction`` of that label's rows. If no group was
+    taken although ceil(fraction * rows) >= 1 (every group too large), the one closest to that many rows is.
+    """
+    if fraction <= 0 or chosen.size < 2:
+        return chosen, chosen[:0]
+    order = chosen[np.random.default_rng(seed).permutation(chosen.size)]
+    target = {c: fraction * sizes[chosen[labels[chosen] == c]].sum() for c in np.unique(labels[chosen])}
+    held_rows = dict.fromkeys(target, 0)
+    held = []
+    for g in order:
+        c = labels[g]
+        if abs(held_rows[c] + sizes[g] - target[c]) < abs(held_rows[c] - target[c]):
+            held.append(g)
+            held_rows[c] += sizes[g]
+    if not held:
+        wanted = math.ceil(fraction * sizes[chosen].sum())
+        held = [order[np.argmin(np.abs(sizes[order] - wanted))]]
+    if len(held) == chosen.size:  # keep one group
+        held = held[:-1]
+    held = np.sort(np.asarray(held, dtype=np.int64))
+    return np.setdiff1d(chosen, held), held

@@ -18,6 +18,12 @@ def images_to_tensor(images: Sequence, img_size: int | None) -> torch.Tensor:
 
     Images are resized (bilinear, antialiased) when ``img_size`` is given and differs.
     """
+    return normalise(image_batch(images, img_size))
+
+
+def image_batch(images: Sequence, img_size: int | None) -> torch.Tensor:
+    """uint8 images (HxW, HxWx1 or HxWx3; numpy or tensor) -> float32 [B, 1 or 3, S, S] in 0..255, resized
+    (bilinear, antialiased) when ``img_size`` is given and differs."""
     if all(isinstance(image, torch.Tensor) for image in images):
         batch = torch.stack(list(images))
     else:
@@ -27,6 +33,11 @@ def images_to_tensor(images: Sequence, img_size: int | None) -> torch.Tensor:
     x = batch.permute(0, 3, 1, 2).float()
     if img_size is not None and tuple(x.shape[-2:]) != (img_size, img_size):
         x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", antialias=True, align_corners=False)
+    return x
+
+
+def normalise(x: torch.Tensor) -> torch.Tensor:
+    """float [B, 1 or 3, S, S] in 0..255 -> [B, 3, S, S], ImageNet-normalised (grayscale repeated)."""
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
@@ -35,7 +46,8 @@ def images_to_tensor(images: Sequence, img_size: int | None) -> torch.Tensor:
 
 
 def masks_to_tensor(masks: Sequence, img_size: int | None) -> torch.Tensor:
-    """Class-index masks (HxW; numpy or tensor) -> int64 [B, S, S], resized nearest-neighbour."""
+    """Masks (numpy or tensor) -> int64, resized nearest-neighbour: class-index masks HxW -> [B, S, S], binary
+    planes KxHxW (one per structure) -> [B, K, S, S], each plane resized on its own."""
     if all(isinstance(mask, torch.Tensor) for mask in masks):
         batch = torch.stack(list(masks))
     else:
@@ -43,30 +55,45 @@ def masks_to_tensor(masks: Sequence, img_size: int | None) -> torch.Tensor:
     y = batch.to(torch.int64)
     if img_size is not None and tuple(y.shape[-2:]) != (img_size, img_size):
         # nearest-exact samples pixel centres like the bilinear image resize (align_corners=False)
-        y = F.interpolate(y[:, None].float(), size=(img_size, img_size), mode="nearest-exact")[:, 0].to(torch.int64)
+        planes = y.ndim == 4
+        y = F.interpolate((y if planes else y[:, None]).float(), size=(img_size, img_size), mode="nearest-exact")
+        y = (y if planes else y[:, 0]).to(torch.int64)
     return y
 
 
 def is_mask(target) -> bool:
-    """A segmentation target (a 2-D array) rather than a class label."""
-    return isinstance(target, (np.ndarray, torch.Tensor)) and target.ndim >= 2
+    """A segmentation target (an HxW class-index mask or KxHxW binary planes) rather than a class label."""
+    return isinstance(target, (np.ndarray, torch.Tensor)) and target.ndim in (2, 3)
 
 
 class BatchTransform:
     """collate_fn: list of (image, label) -> (x float32 [B,3,S,S], y int64 [B]).
 
-    Segmentation items (image, HxW mask) give y int64 [B,S,S] of class indices instead.
+    Segmentation items (image, HxW mask) give y int64 [B,S,S] of class indices instead ([B,K,S,S] for KxHxW
+    planes). With a non-empty ``augment`` setting, every batch is augmented (``augment.Augmenter``, seeded by
+    ``seed``) after resizing and before the ImageNet normalisation; without one, nothing random happens.
     """
 
-    def __init__(self, img_size: int | None) -> None:
+    def __init__(self, img_size: int | None, augment: str = "", seed: int = 0) -> None:
         self.img_size = img_size
+        self.augmenter = None
+        if augment:
+            from .augment import Augmenter
+
+            self.augmenter = Augmenter(augment, seed) or None
 
     def __call__(self, batch: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
         images, targets = zip(*batch)
-        x = images_to_tensor(images, self.img_size)
+        x = image_batch(images, self.img_size)
         if is_mask(targets[0]):
-            return x, masks_to_tensor(targets, self.img_size)
-        return x, torch.as_tensor(targets, dtype=torch.int64)
+            y = masks_to_tensor(targets, self.img_size)
+            if self.augmenter is not None:
+                x, y = self.augmenter(x, y)
+        else:
+            y = torch.as_tensor(targets, dtype=torch.int64)
+            if self.augmenter is not None:
+                x, _ = self.augmenter(x)
+        return normalise(x), y
 
 
 def target_img_size(dataset: Dataset) -> int | None:
@@ -78,11 +105,22 @@ def target_img_size(dataset: Dataset) -> int | None:
     return None
 
 
+def target_augment(dataset: Dataset) -> str:
+    """The ``augment`` setting the dataset carries (a train split does), looking through wrappers; '' if none."""
+    while dataset is not None:
+        if getattr(dataset, "augment", None):
+            return dataset.augment
+        dataset = getattr(dataset, "dataset", None)
+    return ""
+
+
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
     """Single-process DataLoader; the same ``seed`` gives the same batch order.
 
     A shuffled (training) loader drops a last batch of one sample: BatchNorm in train mode cannot normalise a
-    single 1x1 feature map (ResNets at small inputs), and one shuffled sample per epoch is no loss.
+    single 1x1 feature map (ResNets at small inputs), and one shuffled sample per epoch is no loss. A shuffled
+    loader of a dataset carrying an ``augment`` setting (the train split, ``client.split_rows``) augments its
+    batches, seeded by ``seed`` (docs/data.md#augmentation); an unshuffled (evaluation) loader never does.
     """
     return DataLoader(
         dataset,
@@ -91,5 +129,5 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> 
         drop_last=shuffle and len(dataset) % batch_size == 1,
         generator=torch.Generator().manual_seed(seed),
         num_workers=0,
-        collate_fn=BatchTransform(target_img_size(dataset)),
+        collate_fn=BatchTransform(target_img_size(dataset), target_augment(dataset) if shuffle else "", seed),
     )
