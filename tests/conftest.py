@@ -1,11 +1,14 @@
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# decoded-image cache of the simulated sites (docs/data.md#decoded-image-cache): one fresh folder per test session
+os.environ.setdefault("MEDFLOWER_CACHE_DIR", tempfile.mkdtemp(prefix="medflower-cache-"))
 
 # Small and fast: the synthetic source, a ViT-Tiny at 16x16 with 8x8 patches.
 TINY = {

@@ -89,8 +89,14 @@ def test_off_by_default_and_identical_to_before(dataset):
     train = load_client_data(spec, 0, 2).train
     for shuffle in (True, False):
         loader = make_loader(train, 8, shuffle, 5)
-        raw = DataLoader(train, batch_size=8, shuffle=shuffle, drop_last=loader.drop_last,
-                         generator=torch.Generator().manual_seed(5), collate_fn=list)  # the same items, uncollated
+        raw = DataLoader(
+            train,
+            batch_size=8,
+            shuffle=shuffle,
+            drop_last=loader.drop_last,
+            generator=torch.Generator().manual_seed(5),
+            collate_fn=list,
+        )  # the same items, uncollated
         got, items = list(loader), list(raw)
         assert len(got) == len(items)
         for (x, y), batch in zip(got, items):
@@ -155,8 +161,9 @@ def test_crop_and_rotation_keep_the_mask_on_the_image():
 
 
 def test_binary_planes_are_augmented_each_like_the_image():
-    for (x, y), (_, y0) in zip(batches(seg_dataset("crop:0.7,flip,rotate:25", planes=True)),
-                               batches(seg_dataset("", planes=True))):
+    for (x, y), (_, y0) in zip(
+        batches(seg_dataset("crop:0.7,flip,rotate:25", planes=True)), batches(seg_dataset("", planes=True))
+    ):
         assert y.shape == y0.shape == (4, 2, 32, 32) and y.dtype == torch.int64
         assert ((pixels(x) > 128).long() == y[:, 0]).float().mean() > 0.95
         assert set(torch.unique(y).tolist()) <= {0, 1}

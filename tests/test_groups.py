@@ -52,8 +52,9 @@ def groups_of(rows: np.ndarray, groups: np.ndarray) -> set[str]:
 def test_no_group_spans_partitions_or_splits(tmp_path, partition):
     manifest = write_grouped_manifest(tmp_path)
     for seed in range(3):
-        spec = DataSpec(dataset=f"csv:{manifest}", partition=partition, seed=seed, dirichlet_alpha=1.0,
-                        pathological_k=2, img_size=8)
+        spec = DataSpec(
+            dataset=f"csv:{manifest}", partition=partition, seed=seed, dirichlet_alpha=1.0, pathological_k=2, img_size=8
+        )
         source = open_source(spec)
         groups = source.groups
         parts = partition_rows(spec, 3).rows
@@ -108,8 +109,9 @@ def test_source_splits_are_kept_per_group_and_conflicts_refused(tmp_path):
     with pytest.raises(DataError, match=r"group 'p1' has rows in source splits train, val"):
         load_client_data(DataSpec(dataset=f"csv:{manifest}", partition="iid", img_size=8), 0, 1)
     # without the source splits the same rows are split by group
-    data = load_client_data(DataSpec(dataset=f"csv:{manifest}", partition="iid", img_size=8,
-                                     use_source_splits=False), 0, 1)
+    data = load_client_data(
+        DataSpec(dataset=f"csv:{manifest}", partition="iid", img_size=8, use_source_splits=False), 0, 1
+    )
     assert len(data.train) + len(data.val) + len(data.test) == 30
 
 
@@ -140,16 +142,18 @@ class GroupedArraySource(Source):
 
 def test_rows_without_a_group_are_refused():
     source = GroupedArraySource(["p1", "p1", "", "p2", "p3", ""])
-    for call in (lambda: source_grouping(source),
-                 lambda: split_rows(source, DataSpec(), np.arange(6), 0, 1, None)):
+    for call in (lambda: source_grouping(source), lambda: split_rows(source, DataSpec(), np.arange(6), 0, 1, None)):
         with pytest.raises(DataError, match=r"group column missing for some rows.* 2 row\(s\) have none: row 2, row 5"):
             call()
 
 
 def test_a_site_of_one_group_cannot_be_split():
     source = GroupedArraySource(["p1"] * 8)
-    with pytest.raises(DataError, match=r"partition 0 of 1: all 8 row\(s\) belong to one group \('p1'.*at least 2 "
-                                        r"groups"):
+    with pytest.raises(
+        DataError,
+        match=r"partition 0 of 1: all 8 row\(s\) belong to one group \('p1'.*at least 2 "
+        r"groups",
+    ):
         split_rows(source, DataSpec(), np.arange(8), 0, 1, None)
     data = split_rows(GroupedArraySource(["p1"] * 4 + ["p2"] * 4), DataSpec(), np.arange(8), 0, 1, None)
     assert (len(data.train), len(data.test)) == (4, 4)  # two groups: one held out for test, none for val
@@ -160,14 +164,23 @@ def test_a_site_of_one_group_cannot_be_split():
 # sha256 (first 16 hex digits) of the partitions' rows and of split_client_rows' positions, computed with the
 # partitioning code before groups existed (synthetic pool of 240 rows, 3 partitions, dirichlet_alpha 0.3)
 PINNED_PARTITIONS = {
-    ("iid", 0): "66b56e2dc684b332", ("iid", 1): "b614ce9769d51581",
-    ("dirichlet", 0): "8e261dfaf505322a", ("dirichlet", 1): "524ba7443ff18898",
-    ("pathological", 0): "f3fa5b9a04f0da2b", ("pathological", 1): "d611fe9ba4037f64",
-    ("qbli", 0): "0c467800cdce9be4", ("qbli", 1): "1081f37c22fc8006",
-    ("natural", 0): "8d77ff447f15127e", ("natural", 1): "8d77ff447f15127e",
+    ("iid", 0): "66b56e2dc684b332",
+    ("iid", 1): "b614ce9769d51581",
+    ("dirichlet", 0): "8e261dfaf505322a",
+    ("dirichlet", 1): "524ba7443ff18898",
+    ("pathological", 0): "f3fa5b9a04f0da2b",
+    ("pathological", 1): "d611fe9ba4037f64",
+    ("qbli", 0): "0c467800cdce9be4",
+    ("qbli", 1): "1081f37c22fc8006",
+    ("natural", 0): "8d77ff447f15127e",
+    ("natural", 1): "8d77ff447f15127e",
 }
-PINNED_SPLITS = {(0, False): "08a873cfa1f41b75", (0, True): "daa3f0b96ae3a636",
-                 (1, False): "dd16442b58902dce", (1, True): "6b589d19f2132067"}
+PINNED_SPLITS = {
+    (0, False): "08a873cfa1f41b75",
+    (0, True): "daa3f0b96ae3a636",
+    (1, False): "dd16442b58902dce",
+    (1, True): "6b589d19f2132067",
+}
 
 
 def digest(arrays) -> str:
@@ -201,11 +214,15 @@ def write_frames(folder: Path, lengths=(9, 12, 8), size=48, seed=0) -> list[int]
     folder.mkdir(parents=True, exist_ok=True)
     number, starts = 1, []
     for length in lengths:
-        scene = np.asarray(Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize(
-            (size * 2, size * 2), Image.Resampling.BICUBIC), dtype=np.float32)
+        scene = np.asarray(
+            Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize(
+                (size * 2, size * 2), Image.Resampling.BICUBIC
+            ),
+            dtype=np.float32,
+        )
         starts.append(number)
         for t in range(length):
-            frame = scene[t:t + size, t // 2:t // 2 + size] + rng.normal(0, 2, (size, size, 3))
+            frame = scene[t : t + size, t // 2 : t // 2 + size] + rng.normal(0, 2, (size, size, 3))
             Image.fromarray(np.clip(frame, 0, 255).astype(np.uint8)).save(folder / f"{number}.png")
             number += 1
     return starts

@@ -146,16 +146,20 @@ class _Shifted(nn.Module):
 
 def test_evaluate_gives_the_hand_computed_dice_and_iou():
     """Image 0: class 1 is a 4x4 square, predicted half right (Dice 2*8/32 = 0.5, IoU 8/24); class 2 absent
-    in target and prediction (1 by convention). Image 1: class 1 the same; class 2 a 2x2 bar, shifted
-    off by two columns (Dice 0, IoU 0). Means: class 1 0.5, class 2 0.5; IoU 1/3 and 0.5."""
+    in target and prediction (1 with empty-masks 'one'). Image 1: class 1 the same; class 2 a 2x2 bar, shifted
+    off by two columns (Dice 0, IoU 0). Means with 'one': class 1 0.5, class 2 0.5; IoU 1/3 and 0.5. With
+    'skip' (the default) image 0 does not score class 2: its Dice and IoU are image 1's, 0."""
     masks = torch.zeros(2, 8, 8, dtype=torch.int64)
     masks[:, 0:4, 0:4] = 1
     masks[1, 6:8, 4:6] = 2
     x = masks[:, None].float().expand(-1, 3, -1, -1)
-    metrics = evaluate(_Shifted(), [(x, masks)], torch.device("cpu"), ["square", "bar"])
+    metrics = evaluate(_Shifted(), [(x, masks)], torch.device("cpu"), ["square", "bar"], empty_masks="one")
     assert metrics["dice_square"] == pytest.approx(0.5) and metrics["iou_square"] == pytest.approx(1 / 3)
     assert metrics["dice_bar"] == pytest.approx(0.5) and metrics["iou_bar"] == pytest.approx(0.5)
     assert metrics["dice"] == pytest.approx(0.5) and metrics["iou"] == pytest.approx((1 / 3 + 0.5) / 2)
+    skip = evaluate(_Shifted(), [(x, masks)], torch.device("cpu"), ["square", "bar"])
+    assert skip["dice_square"] == pytest.approx(0.5) and skip["dice_bar"] == 0.0 and skip["iou_bar"] == 0.0
+    assert skip["dice"] == pytest.approx(0.25) and skip["empty_fp"] == 0.0
 
 
 def test_segmenter_learns_a_fixed_mask():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.utils.data import Dataset
 
+from .cache import cache_key, decoded
 from .partition import partition_rows, source_grouping, split_client_rows
 from .sources import Source, open_source
 from .spec import DataError, DataSpec
@@ -68,6 +69,9 @@ def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: i
                 f"{source.name}: partition {partition_id} of {num_partitions} has an empty {split} split "
                 f"({len(rows)} rows: {sizes}); try {', '.join(remedies[:-1])} or {remedies[-1]}")
     client_rows = source.dataset(rows, partition_id, spec)
+    key = cache_key(client_rows, spec)
+    if key is not None:  # files read lazily: decode them once, keep them on the site's disk (cache_dir)
+        client_rows = decoded(client_rows, spec.cache_dir, key)
     train = client_rows.take(positions["train"])
     train.augment = spec.augment
     return ClientData(

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .segfolder import IMAGE_EXTENSIONS
+from .segfolder import IMAGE_EXTENSIONS, file_extension, file_stem
 from .spec import DataError
 
 DEFAULT_THRESHOLD = 3.0
@@ -53,10 +53,10 @@ def frame_paths(folder: Path) -> list[Path]:
     """The image files of ``folder`` in natural order of their stems; DataError when there is none."""
     if not folder.is_dir():
         raise DataError(f"{folder}: images folder not found (or not a folder)")
-    paths = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS]
+    paths = [p for p in folder.iterdir() if p.is_file() and file_extension(p) in IMAGE_EXTENSIONS]
     if not paths:
         raise DataError(f"{folder}: no image files ({', '.join(IMAGE_EXTENSIONS)})")
-    return sorted(paths, key=lambda p: (natural_key(p.stem), p.name))
+    return sorted(paths, key=lambda p: (natural_key(file_stem(p)), p.name))
 
 
 def thumbnail(path: Path, size: int = THUMBNAIL) -> np.ndarray:
@@ -106,7 +106,7 @@ def sequence_groups(folder: Path, threshold: float = DEFAULT_THRESHOLD, min_leng
     if threshold <= 0 or min_length < 1 or window < 1 or size < 2:
         raise ValueError("threshold must be > 0, min_length >= 1, window >= 1 and size >= 2")
     paths = frame_paths(folder)
-    stems = [p.stem for p in paths]
+    stems = [file_stem(p) for p in paths]
     if len(set(stems)) != len(stems):
         doubled = sorted({s for s in stems if stems.count(s) > 1})
         raise DataError(f"{folder}: several images share a stem (a group is written per stem): {', '.join(doubled)}")

@@ -15,8 +15,9 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .segfolder import read_mask
-from .spec import DataError
+from .maskmap import MaskValueMap
+from .readers import read_image
+from .segfolder import read_masks
 
 
 class ArrayImageDataset(Dataset):
@@ -43,40 +44,37 @@ class ArrayImageDataset(Dataset):
 
 
 class ImageFileDataset(Dataset):
-    """Images read lazily from files with PIL, converted to RGB and resized to ``img_size``."""
+    """Images read lazily from files (any format ``read_rgb`` reads), as RGB resized to ``img_size``."""
 
     task = "classification"
 
     def __init__(self, paths: list[str], labels: np.ndarray, lines: np.ndarray, img_size: int,
-                 manifest: str) -> None:
+                 manifest: str, intensity: str = "auto") -> None:
         self.paths = list(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
         self.lines = np.asarray(lines, dtype=np.int64)  # manifest line of each row, for messages
         self.img_size = img_size
         self.manifest = manifest
+        self.intensity = intensity  # DataSpec.intensity: how >8-bit, float, DICOM and NIfTI images become 0..255
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         where = f"{self.manifest}: cannot open image of line {self.lines[i]} ({self.paths[i]})"
-        return read_rgb(self.paths[i], self.img_size, where), int(self.labels[i])
+        return read_rgb(self.paths[i], self.img_size, where, self.intensity), int(self.labels[i])
 
     def take(self, positions: np.ndarray) -> ImageFileDataset:
         """Subset at ``positions``."""
         return ImageFileDataset([self.paths[p] for p in positions], self.labels[positions],
-                                self.lines[positions], self.img_size, self.manifest)
+                                self.lines[positions], self.img_size, self.manifest, self.intensity)
 
 
-def read_rgb(path: str | Path, img_size: int, where: str | None = None) -> np.ndarray:
-    """uint8 (img_size, img_size, 3) image of ``path`` (bilinear resize); DataError naming the file
-    (``where`` replaces the default "<path>: cannot open image" prefix of the message)."""
-    try:
-        with Image.open(path) as image:
-            image = image.convert("RGB").resize((img_size, img_size), Image.Resampling.BILINEAR)
-            return np.asarray(image, dtype=np.uint8)
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise DataError(f"{where or f'{path}: cannot open image'}: {exc}") from exc
+def read_rgb(path: str | Path, img_size: int, where: str | None = None, intensity: str = "auto") -> np.ndarray:
+    """uint8 (img_size, img_size, 3) image of ``path`` (bilinear resize): DICOM, NIfTI, 8-bit, 16-bit and float
+    images (``readers.read_image``; ``intensity`` as in ``DataSpec``, 8-bit images unchanged by it). DataError
+    naming the file (``where`` replaces the default "<path>: cannot open image" prefix of the message)."""
+    return read_image(path, img_size, intensity, where)
 
 
 class SegArrayDataset(Dataset):
@@ -104,29 +102,36 @@ class SegArrayDataset(Dataset):
 
 
 class SegFileDataset(Dataset):
-    """Image/mask file pairs read lazily: images RGB, bilinear; masks class indices, nearest; both img_size."""
+    """Image/mask file pairs read lazily: images RGB (``read_rgb``, ``intensity`` for >8-bit ones), bilinear; masks
+    nearest; both ``img_size``. An item's mask is uint8 [S, S] class indices (one masks/ file, 0 = background) or
+    uint8 [K, S, S] binary planes, one per structure (a value map ``mask_map``, or a tuple of masks-<structure>/
+    files), planes resized each (docs/data.md#masks)."""
 
     task = "segmentation"
 
-    def __init__(self, images: list[Path], masks: list[Path], labels: np.ndarray, img_size: int) -> None:
+    def __init__(self, images: list[Path], masks: list[Path | tuple[Path, ...]], labels: np.ndarray, img_size: int,
+                 intensity: str = "auto", mask_map: MaskValueMap | None = None) -> None:
         if not len(images) == len(masks) == len(labels):
             raise ValueError(f"{len(images)} images, {len(masks)} masks and {len(labels)} labels")
         self.image_paths, self.mask_paths = list(images), list(masks)
         self.labels = np.asarray(labels, dtype=np.int64)
         self.img_size = img_size
+        self.intensity, self.mask_map = intensity, mask_map
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        image = read_rgb(self.image_paths[i], self.img_size)
-        mask = read_mask(self.mask_paths[i])
-        if mask.shape != (self.img_size, self.img_size):
-            mask = np.asarray(Image.fromarray(mask).resize((self.img_size, self.img_size),
-                                                           Image.Resampling.NEAREST))
+        image = read_rgb(self.image_paths[i], self.img_size, intensity=self.intensity)
+        mask = read_masks(self.mask_paths[i], self.mask_map)
+        size = (self.img_size, self.img_size)
+        if mask.shape[-2:] != size:
+            planes = mask.reshape(-1, *mask.shape[-2:])
+            resized = [np.asarray(Image.fromarray(p).resize(size, Image.Resampling.NEAREST)) for p in planes]
+            mask = np.stack(resized).reshape(*mask.shape[:-2], *size)
         return image, mask
 
     def take(self, positions: np.ndarray) -> SegFileDataset:
         """Subset at ``positions``."""
         return SegFileDataset([self.image_paths[p] for p in positions], [self.mask_paths[p] for p in positions],
-                              self.labels[positions], self.img_size)
+                              self.labels[positions], self.img_size, self.intensity, self.mask_map)

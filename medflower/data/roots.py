@@ -114,11 +114,16 @@ def _require_below(what: str, path: Path, roots: tuple[str, ...]) -> None:
 
 @lru_cache(maxsize=16)
 def _files_outside(key: tuple, roots: tuple[str, ...]) -> tuple[str, ...]:
-    """The files of the source ``key`` (a csv manifest's images, a segfolder's images and masks) that resolve outside
+    """The files of the source ``key`` (a csv manifest's images, a segfolder's images and masks, a volume folder's
+    volumes, series and case table) that resolve outside
     ``roots``, as the source names them; cached per source identity (path and mtime, or folder fingerprint)."""
     if key[0] == "csv":
         source = open_source_by_key(key)  # reads the manifest only; images are read lazily
         named = [(f"line {line} ({path})", path) for line, path in zip(source.lines, source.paths)]
+    elif key[0] == "volumes":
+        from .volumes import list_files  # imports sources
+
+        named = [(str(p), p) for p in list_files(Path(key[2]))]
     else:
         folder = segfolder.scan_folder(Path(key[2]))  # lists the folders; masks are read when the source opens
         named = [(str(p), p) for p in folder.images + folder.masks]

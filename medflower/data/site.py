@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from .client import ClientData, split_rows
+from .readers import NIFTI_EXTENSIONS
+from .segfolder import file_extension, has_layout
 from .sources import Source, open_source_by_key, source_key, source_task
 from .spec import DataError, DataSpec
 
@@ -107,14 +109,22 @@ def load_site_data(base: DataSpec, data_path: str, classes: SiteClasses, task: s
 @lru_cache(maxsize=8)
 def _site_data(key: tuple, spec: DataSpec, classes: SiteClasses) -> ClientData:
     source = open_source_by_key(key)
-    if source.task == "segmentation":  # masks hold class indices: nothing to map, only to bound
+    if source.task == "segmentation":  # masks hold class indices or structure planes: nothing to map, only to bound
+        if source.planes and source.num_classes != classes.num_classes:
+            raise DataError(f"{source.name}: the masks hold {source.num_classes} structures "
+                            f"({', '.join(source.class_names)}) but the run has {classes.num_classes} outputs "
+                            "(run-config num-classes or class-names): every site must give the same structures")
+        if source.planes and classes.names and tuple(classes.names) != tuple(source.class_names):
+            raise DataError(f"{source.name}: the structures are {', '.join(source.class_names)} in this order but "
+                            f"run-config class-names says {', '.join(classes.names)}")
         if source.num_classes > classes.num_classes:
             raise DataError(f"{source.name}: the masks hold foreground classes up to {source.num_classes} but the "
                             f"run has {classes.num_classes} (run-config num-classes)")
         labels = source.labels
     else:
         labels = classes.map_labels(source)
-    mapped = source.relabelled(labels, classes.class_names(source.task))
+    names = source.class_names if source.planes else classes.class_names(source.task)  # structures keep their names
+    mapped = source.relabelled(labels, names)
     return split_rows(mapped, spec, np.arange(len(mapped)), 0, 1, None)
 
 
@@ -123,11 +133,14 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
 
     ``data_path`` is a MedMNIST-layout ``.npz`` file, a ``.csv`` manifest, or a folder holding
     exactly one of them (``manifest.csv`` is preferred when both kinds are present). A folder
-    with ``images/`` and ``masks/`` (or site sub-folders that have them) is a segmentation
-    folder, ``segfolder:<path>``, and wins over files next to it; its sites are pooled into the
-    site's one partition.
+    with ``images/`` of NIfTI volumes or DICOM series folders and ``masks/`` is a volume folder,
+    ``volumes:<path>``; one with ``images/`` and ``masks/`` or ``masks-<structure>/`` folders (or
+    site sub-folders that have them) is a segmentation folder, ``segfolder:<path>``. Either wins
+    over files next to it; its sites are pooled into the site's one partition.
     """
     path = Path(data_path).expanduser()
+    if path.is_dir() and is_volume_folder(path):
+        return dataclasses.replace(base, dataset=f"volumes:{path}", partition="iid")
     if path.is_dir() and is_segfolder(path):
         return dataclasses.replace(base, dataset=f"segfolder:{path}", partition="iid")
     if path.is_dir():
@@ -152,9 +165,17 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
 
 
 def is_segfolder(path: Path) -> bool:
-    """``path`` holds images/ and masks/, or a sub-folder does (the segfolder layout)."""
-    def has_pair(folder: Path) -> bool:
-        return (folder / "images").is_dir() and (folder / "masks").is_dir()
+    """``path`` holds images/ and a mask folder (masks/ or masks-<structure>/), or a sub-folder does (the segfolder
+    layout)."""
+    return has_layout(path) or any(has_layout(p) for p in path.iterdir()
+                                   if p.is_dir() and not p.name.startswith((".", "_")))
 
-    return has_pair(path) or any(has_pair(p) for p in path.iterdir()
-                                 if p.is_dir() and not p.name.startswith((".", "_")))
+
+def is_volume_folder(path: Path) -> bool:
+    """``path`` is a volume folder (docs/data.md#volumes): images/ and masks/ where images/ holds NIfTI files or
+    DICOM series folders. A 2-D NIfTI is a volume of one slice, so it reads the same either way."""
+    images = path / "images"
+    if not (images.is_dir() and (path / "masks").is_dir()):
+        return False
+    return any(file_extension(p) in NIFTI_EXTENSIONS or p.is_dir() for p in images.iterdir()
+               if not p.name.startswith("."))

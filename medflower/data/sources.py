@@ -27,6 +27,7 @@ from .image_datasets import (
     SegArrayDataset,
     SegFileDataset,
 )
+from .maskmap import parse_mask_values
 from .spec import SEGMENTATION_KINDS, DataError, DataSpec, list_rows
 
 SPLITS = ("train", "val", "test")
@@ -75,6 +76,7 @@ class Source:
     splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
     # per row: the patient, case or video sequence it comes from; no group spans two partitions or two splits
     groups: np.ndarray | None = None
+    planes: bool = False  # segmentation: masks are named structures, one binary plane each (docs/data.md#masks)
     task: str = "classification"  # or "segmentation"
     styled_by_partition: bool = False  # each partition renders its rows in its own site style
     # True when the rows named their classes (a manifest with text labels): ``class_names`` are those names,
@@ -344,26 +346,36 @@ class CsvSource(Source):
 
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
         return ImageFileDataset([self.paths[r] for r in rows], self.labels[rows], self.lines[rows],
-                                spec.img_size, str(self.manifest))
+                                spec.img_size, str(self.manifest), spec.intensity)
 
 
 class SegFolderSource(Source):
-    """A segmentation folder (``segfolder`` module): sites with images/ and masks/, read lazily.
+    """A segmentation folder (``segfolder`` module): sites with images/ and masks/ (or masks-<structure>/), read
+    lazily; split.csv and groups.csv give ``splits`` and ``groups``.
 
-    Opening it reads every mask once to check its values and count the foreground classes.
+    ``mask_values`` (run-config mask-values, ``maskmap``) maps the values of masks/ files to structures. The
+    classes (model outputs) are the map's structures, else the masks-<structure>/ folders', else ``foreground`` or
+    ``class-1``..``class-K``; ``labels``, only used to stratify splits, are 1 when an image has any foreground.
+    Opening it reads every mask once to check its values.
     """
 
     task = "segmentation"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mask_values: str = "") -> None:
         self.root = root
         self.name = f"segfolder:{root}"
+        try:
+            self.mask_map = parse_mask_values(mask_values)
+        except ValueError as exc:
+            raise DataError(f"{self.name}: run-config mask-values {mask_values!r}: {exc}") from exc
+        self.mask_values = mask_values
         self.folder = segfolder.scan_folder(root)
-        largest, num_classes = segfolder.scan_masks(self.folder)
-        self.labels = (largest > 0).astype(np.int64)  # 1 if the mask has any foreground
-        self.class_names = ("foreground",) if num_classes == 1 else tuple(
-            f"class-{c}" for c in range(1, num_classes + 1))
+        amount, self.class_names = segfolder.scan_masks(self.folder, self.mask_map)
+        self.planes = self.mask_map is not None or bool(self.folder.structures)
+        self.labels = (amount > 0).astype(np.int64)  # 1 if the mask has any foreground
         self.site_values = np.array(self.folder.sites, dtype=str)
+        self.splits = None if self.folder.splits is None else np.array(self.folder.splits, dtype=str)
+        self.groups = None if self.folder.groups is None else np.array(self.folder.groups, dtype=str)
 
     def sites(self, num_partitions: int) -> np.ndarray:
         return self.site_values
@@ -372,8 +384,12 @@ class SegFolderSource(Source):
         return str(self.folder.images[row].relative_to(self.root))
 
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
-        return SegFileDataset([self.folder.images[r] for r in rows], [self.folder.masks[r] for r in rows],
-                              self.labels[rows], spec.img_size)
+        if parse_mask_values(spec.mask_values) != self.mask_map:
+            raise DataError(f"{self.name} was opened with mask-values {self.mask_values!r} but the spec has "
+                            f"{spec.mask_values!r} (the source's key must include mask-values)")
+        masks = [self.folder.mask_sets[r] if self.folder.structures else self.folder.mask_sets[r][0] for r in rows]
+        return SegFileDataset([self.folder.images[r] for r in rows], masks, self.labels[rows], spec.img_size,
+                              intensity=spec.intensity, mask_map=self.mask_map)
 
 
 def escapes_folder(path: str) -> bool:
@@ -405,8 +421,9 @@ def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:
 def source_key(spec: DataSpec) -> tuple:
     """Hashable identity of the spec's source; files are identified by path, mtime and size.
 
-    A segfolder is identified by its resolved root and a fingerprint of its files (count, and a
-    digest of names, sizes and mtimes).
+    A segfolder is identified by its resolved root, a fingerprint of its files (count, and a
+    digest of names, sizes and mtimes) and the mask value map; a volume folder also by the settings
+    that change its rows (size, intensity, slicing, empty-slice policy, mask map, seed).
     """
     kind, arg = spec.source_kind, spec.source_arg
     if kind == "synthetic":
@@ -415,7 +432,13 @@ def source_key(spec: DataSpec) -> tuple:
         return (kind, spec.seed, spec.synthetic_size)
     if kind == "segfolder":
         root = Path(arg).expanduser().resolve()
-        return (kind, arg, str(root), *segfolder.fingerprint(root))
+        return (kind, arg, str(root), *segfolder.fingerprint(root), spec.mask_values)
+    if kind == "volumes":  # rows are decoded, resized and filtered slices: the settings that change them count too
+        from . import volumes  # imports this module
+
+        root = Path(arg).expanduser().resolve()
+        return (kind, arg, str(root), *volumes.fingerprint(root), spec.img_size, spec.intensity, spec.slice_axis,
+                spec.empty_slices, spec.mask_values, spec.seed)
     if kind == "medmnist":
         path = medmnist_path(arg, spec.data_dir, spec.img_size).resolve()
     else:
@@ -435,7 +458,11 @@ def open_source_by_key(key: tuple) -> Source:
     if kind == "synthetic-seg":
         return SyntheticSegSource(*key[1:])
     if kind == "segfolder":
-        return SegFolderSource(Path(key[2]))
+        return SegFolderSource(Path(key[2]), key[5])
+    if kind == "volumes":
+        from .volumes import VolumeSource  # imports this module
+
+        return VolumeSource(Path(key[2]), *key[5:])  # img_size, intensity, slice_axis, empty_slices, mask_values, seed
     if kind == "medmnist":
         return MedmnistSource(key[1], Path(key[2]))
     return CsvSource(Path(key[2]))

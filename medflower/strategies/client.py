@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -94,14 +95,14 @@ class ClientRuntime:
         class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
         data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
         if self.data_path is not None:
-            base = self.cfg.data_spec(dataset="synthetic")  # only the split/resize settings are used
+            base = self.cfg.data_spec(dataset="synthetic", cache_dir=self.cache_dir())  # split/resize/read settings
             classes = SiteClasses(
                 int(self.config.get("num-classes") or self.cfg.declared_num_classes), tuple(self.cfg.class_name_list)
             )
             task = None if self.cfg.site_dataset_list else self.cfg.model_task
             return load_site_data(base, self.data_path, classes, task)
         dataset, index, count = self.cfg.site_dataset(self.partition_id, self.num_partitions)
-        spec = self.cfg.data_spec(dataset=dataset)
+        spec = self.cfg.data_spec(dataset=dataset, cache_dir=self.cache_dir())
         check_data_roots(spec, self.context.node_config)  # before any file of the run config's is opened
         data = _cached_data(spec, index, count)
         expected = int(self.config.get("num-classes") or data.num_classes)
@@ -183,6 +184,7 @@ class ClientRuntime:
 
         A classification site also sends its test split's confusion counts (``confusion``, C×C ints) for the
         server's pooled metrics, unless the sites hold different datasets (``site-datasets``: no shared labels).
+        A segmentation site scores structures its ground truth lacks by run-config ``empty-masks``.
         """
         out: dict[str, Any] = {}
         for split in splits:
@@ -194,9 +196,22 @@ class ClientRuntime:
                 self.device,
                 self.data.class_names,
                 confusion=split == "test" and not self.cfg.site_dataset_list,
+                empty_masks=self.cfg.empty_masks,
             )
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
         return out
+
+    def cache_dir(self) -> str:
+        """This site's decoded-image cache folder (docs/data.md#decoded-image-cache): node-config ``cache-dir``
+        ('' turns the disk cache off), else the environment's ``MEDFLOWER_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/medflower`` (``~/.cache/medflower``). The server never chooses it."""
+        node = self.context.node_config
+        if "cache-dir" in node:
+            return str(node["cache-dir"])
+        if os.environ.get("MEDFLOWER_CACHE_DIR") is not None:
+            return os.environ["MEDFLOWER_CACHE_DIR"]
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "medflower")
 
     def state_dir(self) -> Path | None:
         """Folder for this site's persistent state: node-config 'state-dir' (a folder per run below it), else, in a

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .losses import one_hot_masks, task_loss
-from .metrics import CONFUSION, classification_metrics, confusion_counts, dice_iou_per_image, segmentation_metrics
+from .metrics import CONFUSION, SegmentationScores, classification_metrics, confusion_counts, segmentation_scores
 
 # A method's extra loss term: (model, logits, labels) -> scalar tensor (e.g. FedProx's proximal term).
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -119,11 +119,13 @@ def evaluate(
     device: torch.device,
     class_names: list[str] | None = None,
     confusion: bool = False,
+    empty_masks: str = "skip",
 ) -> dict[str, Any]:
     """Classification: loss, accuracy, balanced accuracy, AUC and n, plus with ``confusion`` the flattened C×C
-    counts ``confusion`` (for the server's pooled metrics). Segmentation: loss, Dice, IoU, n."""
+    counts ``confusion`` (for the server's pooled metrics). Segmentation (``evaluate_segmentation``, scoring an
+    image without a structure by run-config ``empty_masks``): loss, Dice, IoU, HD95, empty_fp, hd95_missed, n."""
     if getattr(model, "task", "classification") == "segmentation":
-        return evaluate_segmentation(model, loader, device, class_names)
+        return evaluate_segmentation(model, loader, device, class_names, empty_masks)
     y, probs = predict(model, loader, device)
     eps = 1e-12
     loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + eps)))
@@ -135,11 +137,20 @@ def evaluate(
 
 @torch.no_grad()
 def evaluate_segmentation(
-    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device, class_names: list[str] | None = None
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    device: torch.device,
+    class_names: list[str] | None = None,
+    empty_masks: str = "skip",
 ) -> dict[str, float]:
-    """Per-image hard Dice and IoU (sigmoid > 0.5) averaged over images, per class and overall; mean loss."""
+    """Per-image hard masks (sigmoid > 0.5) scored per structure by MONAI (``metrics.segmentation_scores``): Dice,
+    IoU and HD95 (pixels at the evaluated size) averaged over images per structure ('dice_<structure>', ... when
+    there are several) and over structures ('dice', 'iou', 'hd95'); ``empty_fp`` and ``hd95_missed``; mean loss
+    and ``n`` images. ``empty_masks`` ('skip' | 'one') scores a structure an image's ground truth lacks
+    (docs/data.md#segmentation-metrics). A mean with nothing to average is left out, never NaN."""
     model.to(device).eval()
-    dices, ious, loss_sum, n = [], [], 0.0, 0
+    scores: list[SegmentationScores] = []
+    loss_sum, n = 0.0, 0
     for x, y in loader:
         y = y.to(device)
         with autocast(device):
@@ -148,13 +159,7 @@ def evaluate_segmentation(
         loss_sum += task_loss("segmentation", logits, y).item() * len(y)
         n += len(y)
         target = one_hot_masks(y, logits.shape[1]).bool()
-        dice, iou = dice_iou_per_image((logits > 0).cpu().numpy(), target.cpu().numpy())
-        dices.append(dice)
-        ious.append(iou)
+        scores.append(segmentation_scores((logits > 0).cpu().numpy(), target.cpu().numpy(), empty_masks))
     if n == 0:
         return {"n": 0.0}
-    return {
-        "loss": loss_sum / n,
-        **segmentation_metrics(np.concatenate(dices), np.concatenate(ious), class_names),
-        "n": float(n),
-    }
+    return {"loss": loss_sum / n, **SegmentationScores.concat(scores).metrics(class_names), "n": float(n)}

@@ -9,7 +9,22 @@ DICE_EPS = 1.0  # smoothing of the soft Dice loss (per image and class), the usu
 
 
 def one_hot_masks(masks: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Class-index masks ``[B, H, W]`` (0 = background) -> float targets ``[B, K, H, W]`` for classes 1..K."""
+    """Float targets ``[B, K, H, W]``, one binary plane per structure, ``K = num_classes`` (the model's outputs).
+
+    Class-index masks ``[B, H, W]`` (0 = background) give the planes of classes 1..K; masks that already are
+    planes ``[B, K, H, W]`` (structures that may overlap or nest, docs/data.md#masks) pass through as float.
+    ValueError when the planes are not ``num_classes``.
+    """
+    if masks.ndim == 4:
+        if masks.shape[1] != num_classes:
+            raise ValueError(
+                f"the masks hold {masks.shape[1]} structure planes but the model has {num_classes} "
+                f"outputs (masks {tuple(masks.shape)}); run-config num-classes must be the number of "
+                "structures"
+            )
+        return masks.float()
+    if masks.ndim != 3:
+        raise ValueError(f"masks must be [B, H, W] class indices or [B, K, H, W] planes, got {tuple(masks.shape)}")
     classes = torch.arange(1, num_classes + 1, device=masks.device).view(1, -1, 1, 1)
     return (masks.unsqueeze(1) == classes).float()
 
