@@ -231,7 +231,8 @@ def run_config_of(command: str) -> dict | None:
                 assert toml.is_file(), f"--run-config file {value} does not exist"
                 return parse_config_args([str(toml)])
             parsed = parse_config_args([value])
-            pairs = re.findall(r"(\S+?)=", value)
+            unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "''", value)  # '=' inside a string value is no key
+            pairs = re.findall(r"(\S+?)=", unquoted)
             assert len(parsed) == len(set(pairs)), f"some of {value!r} are not key=TOML-value pairs"
             return parsed
     return None

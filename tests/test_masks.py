@@ -266,6 +266,23 @@ def test_split_and_groups_files_are_honoured(tmp_path):
     assert source_key(spec) != before
 
 
+def test_a_site_without_groups_csv_beside_one_with_it_has_one_group_per_image(tmp_path):
+    """Fed-Polyp: CVC-ClinicDB's video sequences in its groups.csv, Kvasir-SEG without one (one image per group)."""
+    root = tmp_path / "fed"
+    drishti_site(root / "a", count=4)
+    drishti_site(root / "b", count=3)
+    (root / "a" / "groups.csv").write_text("stem,group\nd0,v1\nd1,v1\nd2,v2\nd3,v2\n")
+    assert SegFolderSource(root).groups.tolist() == [
+        "a/v1",
+        "a/v1",
+        "a/v2",
+        "a/v2",
+        "b/image:d0",
+        "b/image:d1",
+        "b/image:d2",
+    ]
+
+
 def test_split_and_groups_file_errors(tmp_path):
     site = drishti_site(tmp_path / "s", count=3)
     (site / "groups.csv").write_text("stem,group\nd0,p1\n")

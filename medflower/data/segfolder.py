@@ -26,8 +26,9 @@ masks are lossy: they are binarised at 128, or with a value map each pixel takes
 Splits and groups: an optional ``split.csv`` (columns ``stem,split``, split train/val/test or empty) and
 ``groups.csv`` (columns ``stem,group``: the patient, case or video sequence of an image) in a site folder, or in
 the root for every site (then an optional ``site`` column tells sites apart when a stem is in several). A stem
-that names no image is an error; with ``groups.csv`` every image needs a group. A group is per site: it is named
-``<site>/<group>``, so two sites' ``patient-1`` are two patients.
+that names no image is an error; every image of a site with its own ``groups.csv`` (or of any site, under a root
+``groups.csv``) needs a group, and each image of a site without one is its own group. A group is per site: it is
+named ``<site>/<group>``, so two sites' ``patient-1`` are two patients.
 
 Sizes: images are resized bilinear and masks nearest to ``img_size`` x ``img_size``, so a mask whose size differs
 from its image's is stretched to the image's frame.
@@ -219,11 +220,16 @@ def scan_folder(root: Path) -> SegFolder:
     splits = _per_image(root, site_folders, keys, SPLIT_FILE, "split")
     groups = _per_image(root, site_folders, keys, GROUP_FILE, "group")
     if groups is not None:
-        missing = [f"{site}/{stem}" for (site, stem), g in zip(keys, groups) if g is None]
+        # A site with a groups.csv of its own (or under a root groups.csv) must name every image; the images of a
+        # site without one are each their own group, which is what a folder without groups means.
+        listed = {site for site, folder in site_folders if (folder / GROUP_FILE).is_file()}
+        everywhere = (root / GROUP_FILE).is_file() and not any(folder == root for _, folder in site_folders)
+        missing = [f"{site}/{stem}" for (site, stem), g in zip(keys, groups)
+                   if g is None and (everywhere or site in listed)]
         if missing:
             raise DataError(f"{root}: {len(missing)} image(s) have no row in {GROUP_FILE} (each image needs its "
                             f"patient, case or video): {list_rows(missing)}")
-        groups = [f"{site}/{g}" for (site, _), g in zip(keys, groups)]
+        groups = [f"{site}/{g}" if g is not None else f"{site}/image:{stem}" for (site, stem), g in zip(keys, groups)]
     return SegFolder(root, tuple(sites), tuple(images), tuple(mask_sets), next(iter(structures.values())),
                      None if splits is None else tuple(s or "" for s in splits),
                      None if groups is None else tuple(groups))
