@@ -1,8 +1,10 @@
 """Tests of volume folders (medflower/data/volumes.py, dataset 'volumes:<root>'): slicing along each axis, pairing,
-label checks, empty-slice policy, case groups, cases.csv sites and splits, mask value maps, DICOM series cases."""
+label checks, empty-slice policy, case groups, cases.csv sites and splits, mask value maps, DICOM series cases, and
+the decoded rows kept in the site's cache folder."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nibabel as nib
@@ -11,8 +13,9 @@ import pytest
 from test_readers import write_series
 
 from medflower.data import DataError, DataSpec, describe_source, load_client_data
+from medflower.data import volumes as volumes_module
 from medflower.data.partition import partition_rows
-from medflower.data.sources import open_source, source_key
+from medflower.data.sources import open_source, open_source_by_key, source_key
 from medflower.data.volumes import VolumeSource, list_files
 
 
@@ -206,3 +209,149 @@ def test_a_dicom_series_case_with_a_nifti_mask(tmp_path):
     assert np.array_equal(source.gray[0], expected)
     assert np.array_equal(source.masks[0], labels[:, :, 2])
     assert (root / "images" / "patient1" / "a.dcm") in list_files(root)
+
+
+def count_volume_reads(monkeypatch, refuse: bool = False) -> list:
+    """Replace the volume reader of volumes.py: every call is counted (and, with ``refuse``, fails the test)."""
+    calls = []
+    read = volumes_module.load_volume
+
+    def counted(path, *args, **kwargs):
+        if refuse:
+            raise AssertionError(f"a volume was read: {path}")
+        calls.append(path)
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(volumes_module, "load_volume", counted)
+    return calls
+
+
+def same_rows(a: VolumeSource, b: VolumeSource) -> bool:
+    arrays = ("gray", "masks", "labels", "cases", "slice_index", "groups", "splits")
+    return (
+        all(np.array_equal(getattr(a, name), getattr(b, name)) for name in arrays)
+        and np.array_equal(a.sites(2), b.sites(2))
+        and a.class_names == b.class_names
+        and a.planes == b.planes
+        and a.num_classes == b.num_classes
+    )
+
+
+def cached_root(tmp_path: Path) -> Path:
+    cases = {f"case{c}": labelled_case(shape=(8, 8, 6), seed=c) for c in range(3)}
+    table = "case,site,split\ncase0,A,train\ncase1,A,test\ncase2,B,\n"
+    return write_root(tmp_path / "vol", cases, table=table)
+
+
+@pytest.mark.parametrize("mask_values", ["", "0=,1=gland,2=gland+zone"])
+def test_a_second_open_reads_the_cache_not_the_volumes(tmp_path, monkeypatch, mask_values):
+    root, cache = cached_root(tmp_path), str(tmp_path / "cache")
+    in_memory = VolumeSource(root, 8, empty_slices="keep:0.5", mask_values=mask_values)
+    first = VolumeSource(root, 8, empty_slices="keep:0.5", mask_values=mask_values, cache_dir=cache)
+    assert not first.cached_on_disk and same_rows(first, in_memory)
+    stored = sorted(p.name.split("-", 1)[1] for p in Path(cache).iterdir())
+    assert stored == sorted(f"{name}.npy" for name in volumes_module.CACHED_ROWS)
+
+    count_volume_reads(monkeypatch, refuse=True)  # a later process: no volume file is read
+    second = VolumeSource(root, 8, empty_slices="keep:0.5", mask_values=mask_values, cache_dir=cache)
+    assert second.cached_on_disk and isinstance(second.gray, np.memmap) and same_rows(second, in_memory)
+    assert second.sites(2).tolist()[:1] == ["A"] and second.row_name(3) == in_memory.row_name(3)
+    spec = spec_of(root, mask_values=mask_values)
+    rows = np.array([5, 0, 9])
+    for got, expected in zip(second.dataset(rows, 0, spec), in_memory.dataset(rows, 0, spec)):
+        assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+
+
+def test_a_changed_setting_or_file_decodes_again(tmp_path, monkeypatch):
+    root, cache = cached_root(tmp_path), str(tmp_path / "cache")
+    reads = count_volume_reads(monkeypatch)
+    VolumeSource(root, 8, cache_dir=cache)
+    assert len(reads) == 6  # 3 cases, image and mask each
+    assert VolumeSource(root, 8, cache_dir=cache).cached_on_disk and len(reads) == 6
+
+    for changed in (
+        {"empty_slices": "drop"},
+        {"img_size": 4},
+        {"intensity": "minmax"},
+        {"slice_axis": 0},
+        {"seed": 3},
+        {"mask_values": "0=,1=gland,2=gland"},
+    ):
+        assert not VolumeSource(root, **{"img_size": 8, **changed}, cache_dir=cache).cached_on_disk, changed
+        assert VolumeSource(root, **{"img_size": 8, **changed}, cache_dir=cache).cached_on_disk, changed
+
+    before = len(reads)
+    os.utime(root / "masks" / "case1.nii.gz", ns=(1, 1))  # another modification time: the file may have changed
+    touched = VolumeSource(root, 8, cache_dir=cache)
+    assert not touched.cached_on_disk and len(reads) == before + 6
+
+    (root / "cases.csv").write_text("case,site\ncase0,X\ncase1,Y\ncase2,Y\n")  # the table is read at every open
+    retabled = VolumeSource(root, 8, cache_dir=cache)
+    assert retabled.cached_on_disk and retabled.splits is None
+    assert set(retabled.sites(2)[retabled.cases == "case0"]) == {"X"}
+
+
+def test_a_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    root, cache = cached_root(tmp_path), tmp_path / "cache"
+    VolumeSource(root, 8, cache_dir=str(cache))
+    expected = VolumeSource(root, 8)  # in memory: the files below are overwritten in place, under any memory map
+    gray, masks, cases = (next(cache.glob(f"*-{name}.npy")) for name in ("gray", "masks", "cases"))
+
+    gray.write_bytes(gray.read_bytes()[:-50])  # truncated
+    rebuilt = VolumeSource(root, 8, cache_dir=str(cache))
+    assert not rebuilt.cached_on_disk and same_rows(rebuilt, expected)
+    assert VolumeSource(root, 8, cache_dir=str(cache)).cached_on_disk  # written again, whole
+
+    cases.write_bytes(b"garbage, not an npy file")
+    assert not VolumeSource(root, 8, cache_dir=str(cache)).cached_on_disk
+    np.save(masks, np.zeros((18, 2, 8, 8), np.uint8))  # planes where the source has class indices
+    assert not VolumeSource(root, 8, cache_dir=str(cache)).cached_on_disk
+    np.save(cases, np.array(["other"] * 18))  # rows of cases this folder does not have
+    assert not VolumeSource(root, 8, cache_dir=str(cache)).cached_on_disk
+    np.save(next(cache.glob("*-labels.npy")), np.array(1))  # a scalar where the labels belong
+    assert not VolumeSource(root, 8, cache_dir=str(cache)).cached_on_disk
+
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # temporary files renamed or removed
+    count_volume_reads(monkeypatch, refuse=True)
+    assert same_rows(VolumeSource(root, 8, cache_dir=str(cache)), expected)
+
+
+def test_without_a_cache_folder_every_open_reads_the_volumes(tmp_path, monkeypatch):
+    root = cached_root(tmp_path)
+    reads = count_volume_reads(monkeypatch)
+    first, second = VolumeSource(root, 8), VolumeSource(root, 8, cache_dir="")
+    assert not first.cached_on_disk and not second.cached_on_disk and len(reads) == 12
+    assert same_rows(first, second) and not isinstance(first.gray, np.memmap)
+    assert not list(tmp_path.glob("**/*.npy"))
+
+
+def test_an_unwritable_cache_folder_keeps_the_rows_in_memory(tmp_path):
+    root = cached_root(tmp_path)
+    (tmp_path / "taken").write_text("a file where the cache folder should be")
+    with pytest.warns(UserWarning, match="cache not written"):
+        source = VolumeSource(root, 8, cache_dir=str(tmp_path / "taken"))
+    assert not source.cached_on_disk and same_rows(source, VolumeSource(root, 8))
+
+
+def test_bad_volumes_are_refused_with_a_cache_folder_and_nothing_is_stored(tmp_path):
+    root = tmp_path / "frac"
+    save_nifti(root / "images" / "a.nii.gz", np.zeros((4, 4, 3), np.int16))
+    save_nifti(root / "masks" / "a.nii.gz", np.full((4, 4, 3), 0.5, np.float32))
+    for _ in range(2):
+        with pytest.raises(DataError, match="label values must be whole numbers"):
+            VolumeSource(root, 8, cache_dir=str(tmp_path / "cache"))
+    assert not list(tmp_path.glob("cache/*.npy"))
+
+
+def test_the_site_cache_folder_reaches_the_source_through_its_key(tmp_path, monkeypatch):
+    root, cache = cached_root(tmp_path), str(tmp_path / "cache")
+    spec = spec_of(root, cache_dir=cache)
+    assert source_key(spec)[-1] == cache and source_key(spec)[:-1] == source_key(spec_of(root))[:-1]
+    assert not open_source(spec).cached_on_disk and not open_source(spec_of(root)).cached_on_disk
+    assert open_source(spec) is open_source(spec)  # still one source per key in a process
+    open_source_by_key.cache_clear()  # as in a fresh ClientApp process
+    count_volume_reads(monkeypatch, refuse=True)
+    assert open_source(spec).cached_on_disk
+    client = load_client_data(spec, 0, 1)
+    image, mask = client.train[0]
+    assert image.shape == (8, 8, 3) and mask.shape == (8, 8) and client.class_names == ["class-1", "class-2"]

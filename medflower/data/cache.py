@@ -12,6 +12,9 @@ is ignored and rebuilt. ``cache_dir=''`` keeps the arrays in this process's memo
 The key must name everything that changes the decoded pixels: the files (``file_identity``: path, size, mtime),
 ``img_size``, ``intensity`` and ``mask_values`` (``cache_key`` builds it for the file datasets). See
 docs/data.md#decoded-image-cache.
+
+``ArraySet`` is the storage underneath, for any named set of arrays under a digest (``entry_digest``): the volume
+source (``volumes.VolumeSource``) keeps its decoded slices with it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,40 @@ def cache_key(dataset: Dataset, spec: DataSpec) -> tuple | None:
             spec.mask_values)
 
 
+def entry_digest(*identity) -> str:
+    """The digest that names a cache entry: of ``FORMAT`` and ``identity`` (its repr, so keep it to plain values)."""
+    return hashlib.blake2b(repr((FORMAT, *identity)).encode(), digest_size=20).hexdigest()
+
+
+class ArraySet:
+    """A named set of arrays cached under a digest: ``<folder>/<digest>-<name>.npy`` for each name.
+
+    ``store`` writes each array to a temporary file in the folder and renames it into place (``os.replace``), so a
+    reader never sees half a file; ``load`` memory-maps them all, or gives None when one is missing, truncated,
+    unreadable or fails the caller's ``check`` (then the caller decodes again and stores over it)."""
+
+    def __init__(self, folder: Path, digest: str, names) -> None:
+        self.folder = folder
+        self.paths = {name: folder / f"{digest}-{name}.npy" for name in names}
+
+    def load(self, check=None) -> dict[str, np.ndarray] | None:
+        """{name: memory-mapped array}, or None when one is not there or ``check(arrays)`` is false."""
+        arrays = {}
+        for name, path in self.paths.items():
+            try:
+                arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError, EOFError):
+                return None
+        return arrays if check is None or check(arrays) else None
+
+    def store(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write every array of the set, each atomically; OSError when the folder cannot be written (read-only,
+        full), with no temporary file left behind."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for name, path in self.paths.items():
+            _write_atomic(path, np.asarray(arrays[name]))
+
+
 def decoded(dataset: Dataset, cache_dir: str, key: tuple) -> DecodedDataset:
     """``dataset`` decoded once (module docstring); with ``cache_dir`` stored there and memory-mapped later."""
     return DecodedDataset(_Store(dataset, cache_dir, key), None)
@@ -72,25 +109,27 @@ class _Store:
         self.img_size = getattr(dataset, "img_size", None)
         self.labels = np.asarray(dataset.labels, dtype=np.int64)
         self.folder = Path(cache_dir) if cache_dir else None
-        identity = repr((FORMAT, key, len(self.labels), self.task, self.img_size, type(dataset).__name__))
-        self.digest = hashlib.blake2b(identity.encode(), digest_size=20).hexdigest()
+        self.digest = entry_digest(key, len(self.labels), self.task, self.img_size, type(dataset).__name__)
+        kinds = ("images", "masks", "labels") if self.task == "segmentation" else ("images", "labels")
+        self.entry = ArraySet(self.folder, self.digest, kinds) if self.folder is not None else None
         self.images: np.ndarray | None = None
         self.masks: np.ndarray | None = None
         self.lock = threading.Lock()
         self.from_disk = self.folder is not None and self._load()
 
     def names(self) -> dict[str, Path]:
-        kinds = ("images", "masks", "labels") if self.task == "segmentation" else ("images", "labels")
-        return {kind: self.folder / f"{self.digest}-{kind}.npy" for kind in kinds}
+        return self.entry.paths
 
     def _load(self) -> bool:
         """Memory-map the cached arrays when all are present and match the dataset; False otherwise."""
-        arrays = {}
-        for kind, path in self.names().items():
-            try:
-                arrays[kind] = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError, EOFError):
-                return False
+        arrays = self.entry.load(self._matches)
+        if arrays is None:
+            return False
+        self.images, self.masks = arrays["images"], arrays.get("masks")
+        return True
+
+    def _matches(self, arrays: dict[str, np.ndarray]) -> bool:
+        """The arrays have the dataset's length, labels, dtypes and (when it resizes) image size."""
         n = len(self.labels)
         for kind, array in arrays.items():
             if array.shape[:1] != (n,):
@@ -100,7 +139,6 @@ class _Store:
                     return False
             elif array.dtype != np.uint8 or array.ndim not in (3, 4) or not self._sized(array):
                 return False
-        self.images, self.masks = arrays["images"], arrays.get("masks")
         return True
 
     def _sized(self, array: np.ndarray) -> bool:

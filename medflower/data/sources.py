@@ -423,7 +423,8 @@ def source_key(spec: DataSpec) -> tuple:
 
     A segfolder is identified by its resolved root, a fingerprint of its files (count, and a
     digest of names, sizes and mtimes) and the mask value map; a volume folder also by the settings
-    that change its rows (size, intensity, slicing, empty-slice policy, mask map, seed).
+    that change its rows (size, intensity, slicing, empty-slice policy, mask map, seed) and the site's
+    cache folder, where it keeps its decoded rows (``cache_dir``; '' = in memory only).
     """
     kind, arg = spec.source_kind, spec.source_arg
     if kind == "synthetic":
@@ -438,7 +439,7 @@ def source_key(spec: DataSpec) -> tuple:
 
         root = Path(arg).expanduser().resolve()
         return (kind, arg, str(root), *volumes.fingerprint(root), spec.img_size, spec.intensity, spec.slice_axis,
-                spec.empty_slices, spec.mask_values, spec.seed)
+                spec.empty_slices, spec.mask_values, spec.seed, spec.cache_dir)
     if kind == "medmnist":
         path = medmnist_path(arg, spec.data_dir, spec.img_size).resolve()
     else:
@@ -462,7 +463,8 @@ def open_source_by_key(key: tuple) -> Source:
     if kind == "volumes":
         from .volumes import VolumeSource  # imports this module
 
-        return VolumeSource(Path(key[2]), *key[5:])  # img_size, intensity, slice_axis, empty_slices, mask_values, seed
+        # img_size, intensity, slice_axis, empty_slices, mask_values, seed, cache_dir
+        return VolumeSource(Path(key[2]), *key[5:])
     if kind == "medmnist":
         return MedmnistSource(key[1], Path(key[2]))
     return CsvSource(Path(key[2]))

@@ -17,12 +17,21 @@ nearest to ``img_size``; images are uint8 (S, S, 3). Masks are label maps: class
 binary) or, with ``DataSpec.mask_values``, one binary plane per structure, uint8 (K, S, S). A slice is labelled 1 when
 it holds foreground; ``DataSpec.empty_slices`` keeps all, none, or a seeded share of each case's slices without it.
 Every slice carries its case as group, so no case spans two splits or two sites.
+
+With a cache folder (``DataSpec.cache_dir``, the site's; docs/data.md#decoded-image-cache) the decoded rows (grey
+slices, masks, labels, cases, slice indices and the largest class found) are stored there once (``cache.ArraySet``,
+``<digest>-<name>.npy``, each written to a temporary file and renamed), and a later process memory-maps them and reads
+no volume. The digest covers the case names and files (resolved path, size, modification time of every file below
+images/ and masks/) and every setting that changes the rows; an entry that is missing, unreadable or does not fit
+is decoded again and rewritten, a folder that cannot be written warns and keeps the rows in memory. The folders and
+cases.csv are listed and checked at every open.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 import zlib
 from pathlib import Path
 
@@ -31,6 +40,7 @@ import pandas as pd
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .cache import ArraySet, entry_digest, file_identity
 from .image_datasets import SegArrayDataset
 from .maskmap import parse_mask_values
 from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, load_volume, volume_intensity
@@ -40,6 +50,8 @@ from .spec import DataError, DataSpec, list_rows, parse_empty_slices
 
 CASES_TABLE = "cases.csv"
 IMAGE_FILE_EXTENSIONS = NIFTI_EXTENSIONS + DICOM_EXTENSIONS
+CACHE_FORMAT = 1  # bump when the decoding or slicing changes what the cached rows hold
+CACHED_ROWS = ("gray", "masks", "labels", "cases", "slices", "largest")  # the arrays of a cache entry
 
 
 def case_name(path: Path) -> str | None:
@@ -170,12 +182,13 @@ def list_files(root: Path) -> list[Path]:
 
 
 class VolumeSource(Source):
-    """A volumes folder sliced into 2-D rows (module docstring); every volume is decoded once, at open time."""
+    """A volumes folder sliced into 2-D rows (module docstring); every volume is decoded once, at open time, or the
+    rows are loaded from the site's cache folder ``cache_dir`` ('' = none) when an earlier process stored them."""
 
     task = "segmentation"
 
     def __init__(self, root: Path, img_size: int, intensity: str = "auto", slice_axis: int = 2,
-                 empty_slices: str = "keep", mask_values: str = "", seed: int = 0) -> None:
+                 empty_slices: str = "keep", mask_values: str = "", seed: int = 0, cache_dir: str = "") -> None:
         self.root = root
         self.name = f"volumes:{root}"
         self.img_size, self.intensity, self.slice_axis = img_size, intensity, slice_axis
@@ -183,6 +196,38 @@ class VolumeSource(Source):
         value_map = parse_mask_values(mask_values)
         found = find_cases(root)
         table = read_cases_table(root, [case for case, _, _ in found])
+        settings = (img_size, intensity, slice_axis, empty_slices, mask_values, seed)
+        identity = _volume_identity(root) if cache_dir else ""  # taken before any volume is read
+        entry = _cache_entry(cache_dir, root, found, identity, settings) if cache_dir else None
+        planes = None if value_map is None else len(value_map.structures)
+        check = _RowCheck(img_size, planes, {case for case, _, _ in found})
+        rows = entry.load(check) if entry is not None else None
+        self.cached_on_disk = rows is not None  # no volume was read in this process
+        if rows is None:
+            rows = self._decode(found, value_map, keep_empty, seed, empty_slices)
+            if entry is not None and _volume_identity(root) == identity:  # else a file changed while being read
+                rows = _stored(entry, rows, check, cache_dir)
+        self.gray = rows["gray"]  # uint8 (N, S, S): grey slices, repeated to 3 channels by ``dataset``
+        self.masks = rows["masks"]  # uint8 (N, S, S) class indices or (N, K, S, S) planes
+        self.labels = np.array(rows["labels"], dtype=np.int64)
+        self.cases = np.array(rows["cases"], dtype=str)
+        self.slice_index = np.array(rows["slices"], dtype=np.int64)
+        self.groups = self.cases  # every slice of a case in one split and one site
+        self.planes = value_map is not None
+        if value_map is not None:
+            self.class_names = value_map.structures
+        else:
+            num_classes = max(1, int(rows["largest"]))
+            self.class_names = ("foreground",) if num_classes == 1 else tuple(
+                f"class-{c}" for c in range(1, num_classes + 1))
+        self.site_values = (table.loc[self.cases, "site"].to_numpy(dtype=str)
+                            if table is not None and "site" in table else None)
+        self.splits = (table.loc[self.cases, "split"].to_numpy(dtype=str)
+                       if table is not None and "split" in table else None)
+
+    def _decode(self, found: list[tuple[str, Path, Path]], value_map, keep_empty: float, seed: int,
+                empty_slices: str) -> dict[str, np.ndarray]:
+        """The rows of every case, read from its volumes (arrays named as ``CACHED_ROWS``)."""
         images, masks, labels, cases, slices = [], [], [], [], []
         largest = 0
         for case, image_path, mask_path in found:
@@ -195,25 +240,11 @@ class VolumeSource(Source):
             cases += [case] * len(kept)
             slices.append(kept)
         if not cases:
-            raise DataError(f"{root}: no slice is left (empty-slices {empty_slices!r} dropped every slice without "
+            raise DataError(f"{self.root}: no slice is left (empty-slices {empty_slices!r} dropped every slice without "
                             "foreground, and no slice has any)")
-        self.gray = np.concatenate(images)  # uint8 (N, S, S): grey slices, repeated to 3 channels by ``dataset``
-        self.masks = np.concatenate(masks)  # uint8 (N, S, S) class indices or (N, K, S, S) planes
-        self.labels = np.concatenate(labels)
-        self.cases = np.array(cases, dtype=str)
-        self.slice_index = np.concatenate(slices).astype(np.int64)
-        self.groups = self.cases  # every slice of a case in one split and one site
-        self.planes = value_map is not None
-        if value_map is not None:
-            self.class_names = value_map.structures
-        else:
-            num_classes = max(1, largest)
-            self.class_names = ("foreground",) if num_classes == 1 else tuple(
-                f"class-{c}" for c in range(1, num_classes + 1))
-        self.site_values = (table.loc[self.cases, "site"].to_numpy(dtype=str)
-                            if table is not None and "site" in table else None)
-        self.splits = (table.loc[self.cases, "split"].to_numpy(dtype=str)
-                       if table is not None and "split" in table else None)
+        return {"gray": np.concatenate(images), "masks": np.concatenate(masks), "labels": np.concatenate(labels),
+                "cases": np.array(cases, dtype=str), "slices": np.concatenate(slices).astype(np.int64),
+                "largest": np.array(largest, dtype=np.int64)}
 
     def _read_case(self, image_path: Path, mask_path: Path, value_map) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                                  int]:
@@ -263,6 +294,55 @@ class VolumeSource(Source):
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
         images = np.repeat(self.gray[rows][..., None], 3, axis=-1)
         return SegArrayDataset(images, self.masks[rows], self.labels[rows], spec.img_size)
+
+
+def _volume_identity(root: Path) -> str:
+    """Digest of the resolved path, size and modification time of every file below images/ and masks/ (cases.csv
+    is left out: it is read at every open and changes no row)."""
+    return file_identity([path for path in list_files(root) if path.name != CASES_TABLE or path.parent != root])
+
+
+def _cache_entry(cache_dir: str, root: Path, found: list[tuple[str, Path, Path]], identity: str,
+                 settings: tuple) -> ArraySet:
+    """The cache entry of these cases' rows: named by the case names and files (names as found, and ``identity``:
+    what they resolve to, sizes, modification times) and the settings that change the rows."""
+    named = tuple((case, image.name, mask.name) for case, image, mask in found)
+    digest = entry_digest("volumes", CACHE_FORMAT, os.path.realpath(root), named, identity, settings)
+    return ArraySet(Path(cache_dir), digest, CACHED_ROWS)
+
+
+class _RowCheck:
+    """Whether cached arrays are rows this source could have decoded: one length, dtypes, the image size, the mask
+    layout (K planes with a value map, else class indices) and known case names; else they are decoded again."""
+
+    def __init__(self, img_size: int, planes: int | None, cases: set[str]) -> None:
+        self.img_size, self.planes, self.cases = img_size, planes, cases
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> bool:
+        gray, masks, labels, names, slices, largest = (rows[name] for name in CACHED_ROWS)
+        if labels.ndim != 1:
+            return False
+        n, size = len(labels), (self.img_size, self.img_size)
+        mask_shape = (n, *size) if self.planes is None else (n, self.planes, *size)
+        return bool(
+            n > 0 and labels.shape == (n,) and labels.dtype == np.int64 and np.isin(labels, (0, 1)).all()
+            and gray.shape == (n, *size) and gray.dtype == np.uint8
+            and masks.shape == mask_shape and masks.dtype == np.uint8
+            and names.shape == (n,) and names.dtype.kind == "U" and set(np.unique(names)) <= self.cases
+            and slices.shape == (n,) and slices.dtype == np.int64 and (slices >= 0).all()
+            and largest.shape == () and largest.dtype == np.int64 and 0 <= int(largest) <= MAX_MASK_CLASS)
+
+
+def _stored(entry: ArraySet, rows: dict[str, np.ndarray], check: _RowCheck, cache_dir: str) -> dict[str, np.ndarray]:
+    """``rows`` written to the cache entry and memory-mapped from there; unchanged (in memory) when the folder cannot
+    be written (a warning)."""
+    try:
+        entry.store(rows)
+    except OSError as exc:
+        warnings.warn(f"{cache_dir}: decoded-volume cache not written ({exc}); keeping the slices in memory",
+                      stacklevel=3)
+        return rows
+    return entry.load(check) or rows
 
 
 def _resized(pixels: np.ndarray, size: tuple[int, int], resample: Image.Resampling) -> np.ndarray:
