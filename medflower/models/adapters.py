@@ -15,7 +15,7 @@ from .qk_delta import QK_ADAPTERS, add_qk_adapters
 # "full": no adapter, the whole backbone trains (SiFT and its baselines); "none": only the head trains.
 ADAPTERS = ("lora", "ia3", "bottleneck", *QK_ADAPTERS, "full", "none")
 
-# Module-name suffixes targeted by default (timm ViT/Swin fuse q,k,v into one `qkv` Linear).
+# Module-name suffixes targeted by default (timm ViT/Swin/SAM fuse q,k,v into one `qkv` Linear).
 _TRANSFORMER_TARGETS = {"lora": ("qkv",), "ia3": ("qkv", "fc2")}
 _TRANSFORMER_FEEDFORWARD = ("fc2",)
 _RESNET_BLOCK_CONV = re.compile(r"layer\d+\.\d+\.conv\d+")
@@ -72,7 +72,7 @@ def inject_adapter(
 
 
 def _default_targets(backbone: nn.Module, adapter: str, family: str, backbone_name: str) -> tuple[str, ...]:
-    if family in ("vit", "swin"):
+    if family in ("vit", "swin", "samvit"):
         return _TRANSFORMER_TARGETS[adapter]
     if family == "resnet":  # every conv inside the residual blocks of layer1..4
         return tuple(n for n, _ in backbone.named_modules() if _RESNET_BLOCK_CONV.fullmatch(n))
@@ -145,7 +145,8 @@ class Bottleneck(nn.Module):
 
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
-    """Blocks with ``.attn`` and ``.mlp`` submodules (timm ViT ``Block``, Swin ``SwinTransformerBlock``)."""
+    """Blocks with ``.attn`` and ``.mlp`` submodules (timm ViT ``Block``, Swin ``SwinTransformerBlock``, SAM's
+    ``vision_transformer_sam.Block``)."""
     return [
         m
         for m in backbone.modules()
@@ -154,7 +155,14 @@ def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
 
 
 def add_bottleneck_adapters(backbone: nn.Module, ratio: float, backbone_name: str = "") -> None:
-    """Per block: ``attn_out + adapter_attn(attn_out)`` and ``mlp(x) + 0.5 * adapter_mlp(x)``."""
+    """Per block: ``attn_out + adapter_attn(attn_out)`` and ``mlp(x) + 0.5 * adapter_mlp(x)``.
+
+    This is Medical-SAM-Adapter's placement in SAM's image encoder: its Space_Adapter (with skip) on the attention
+    output and its MLP_Adapter beside the MLP, scaled by 0.5, both fed per token. The hooks sit on ``attn`` and
+    ``mlp`` themselves, so windowed blocks (Swin, SAM) get the attention adapter inside the window partition, as
+    Medical-SAM-Adapter applies it (the adapter is per token, so the partition does not change its result on the
+    real tokens). Its third module, the Depth_Adapter, only runs on 3-D inputs and is not added.
+    """
     blocks = transformer_blocks(backbone)
     if not blocks:
         raise ModelError(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -15,6 +13,7 @@ import timm
 import torch
 from torch import nn
 
+from . import checkpoints
 from .errors import ModelError, PretrainedWeightsWarning
 
 logger = logging.getLogger(__name__)
@@ -28,10 +27,17 @@ BACKBONE_ALIASES: dict[str, str] = {
     "swin-b": "swin_base_patch4_window7_224",
     "resnet18": "resnet18",
     "resnet50": "resnet50",
+    # SAM's image encoders (Kirillov et al. 2023; timm module vision_transformer_sam). MedSAM (Ma et al. 2024) is
+    # SAM ViT-B's architecture fine-tuned: `medsam` builds the same encoder as `sam-b`; its weights come from a
+    # local file (timm has none, so `auto` would give SAM's, see build_segmenter).
+    "sam-b": "samvit_base_patch16",
+    "sam-l": "samvit_large_patch16",
+    "sam-h": "samvit_huge_patch16",
+    "medsam": "samvit_base_patch16",
 }
 
-WEIGHT_MODES = ("none", "auto")  # or a path to a local .safetensors/.pth/.pt/.bin file
-WEIGHT_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+WEIGHT_MODES = ("none", "auto")  # or a local .safetensors/.pth/.pt/.bin file or Hugging Face hub cache folder
+WEIGHT_FILE_SUFFIXES = checkpoints.WEIGHT_FILE_SUFFIXES
 
 # Backbone families, keyed by the timm module that registers the architecture.
 _FAMILY_BY_TIMM_MODULE = {
@@ -39,6 +45,7 @@ _FAMILY_BY_TIMM_MODULE = {
     "deit": "vit",
     "swin_transformer": "swin",
     "resnet": "resnet",
+    "vision_transformer_sam": "samvit",
 }
 
 
@@ -63,7 +70,7 @@ def resolve_backbone(name: str) -> str:
 
 
 def backbone_family(timm_name: str) -> str:
-    """``vit`` | ``swin`` | ``resnet`` | ``other``, from the timm module that defines the architecture."""
+    """``vit`` | ``swin`` | ``samvit`` | ``resnet`` | ``other``, from the timm module that defines the architecture."""
     module = timm.models.model_entrypoint(timm_name).__module__.rsplit(".", 1)[-1]
     return _FAMILY_BY_TIMM_MODULE.get(module, "other")
 
@@ -75,9 +82,18 @@ def create_backbone(
 
     Returns ``(model, weights_source)`` where ``weights_source`` is ``"random"``, ``"pretrained:<file>"`` or
     ``"file:<path>"``. Random init is seeded with ``seed`` (global torch RNG; callers fork it).
+
+    SAM encoders (family ``samvit``) are built for ``img_size`` (position embedding and global-attention
+    relative-position tables at that grid). A weights file is resized to them when it is loaded
+    (models/checkpoints.py). timm's own pretrained loading (``auto``) cannot do that: its SAM
+    ``checkpoint_filter_fn`` renames keys but resizes nothing and the load is strict, so with ``auto`` the encoder
+    is built at the architecture's size (1024 px), loaded, and then resized (``_resize_sam_tables``), exactly as
+    timm's forward would resize the tables on the fly.
     """
     family = backbone_family(timm_name)
     kwargs = _timm_kwargs(timm_name, family, img_size, patch_size)
+    if family == "samvit" and weights == "auto":
+        kwargs = {k: v for k, v in kwargs.items() if k != "img_size"}  # the architecture's (checkpoint's) size
 
     if weights == "none":
         model = _create(timm_name, family, kwargs, seed)
@@ -91,6 +107,8 @@ def create_backbone(
         source = f"file:{path}"
 
     _check_img_size(model, timm_name, family, img_size)
+    if family == "samvit":
+        _resize_sam_tables(model, img_size)
     return model, source
 
 
@@ -102,7 +120,7 @@ def _timm_kwargs(timm_name: str, family: str, img_size: int, patch_size: int) ->
             f"model); use patch_size=0"
         )
     kwargs: dict[str, Any] = {"num_classes": 0}
-    if family in ("vit", "swin", "other"):  # resnets are size-agnostic and take no img_size
+    if family in ("vit", "swin", "samvit", "other"):  # resnets are size-agnostic and take no img_size
         kwargs["img_size"] = img_size
     if family != "other":
         # The backbone is frozen: no stochastic depth (Swin defaults to 0.1), so train() and eval() compute the
@@ -146,8 +164,8 @@ def _create(
 
 
 def _check_img_size(model: nn.Module, timm_name: str, family: str, img_size: int) -> None:
-    """ViT/Swin inputs must tile into whole patches (timm would silently crop the remainder)."""
-    if family not in ("vit", "swin"):
+    """ViT/Swin/SAM inputs must tile into whole patches (timm would silently crop the remainder)."""
+    if family not in ("vit", "swin", "samvit"):
         return
     patch = model.patch_embed.patch_size
     patch = patch[0] if isinstance(patch, (tuple, list)) else patch
@@ -156,6 +174,53 @@ def _check_img_size(model: nn.Module, timm_name: str, family: str, img_size: int
             f"img_size={img_size} is not a multiple of the patch size {patch} of {timm_name!r}; "
             f"pick img_size divisible by {patch}"
         )
+
+
+def _resize_sam_tables(model: nn.Module, img_size: int) -> None:
+    """Resize a SAM encoder's position tables to an ``img_size`` input, in place (no-op at its built size).
+
+    - the absolute position embedding ``[1, h, w, D]``: timm's ``resample_abs_pos_embed_nhwc`` (bicubic,
+      antialiased), which is what ``VisionTransformerSAM.forward_features`` applies on the fly;
+    - the relative-position tables ``rel_pos_h``/``rel_pos_w`` ``[2g - 1, head_dim]`` of the global-attention
+      blocks: linear interpolation to ``2 * grid - 1`` rows, what timm's ``get_rel_pos`` applies on the fly.
+      Windowed blocks keep theirs (sized by the window, 14, not by the image).
+
+    The resized encoder computes the same function as the unresized one run at ``img_size``, without
+    re-interpolating on every forward, and ``patch_embed.grid_size`` tells the new grid.
+    """
+    from timm.layers import resample_abs_pos_embed_nhwc
+
+    embed = model.patch_embed
+    patch = embed.patch_size if isinstance(embed.patch_size, (tuple, list)) else (embed.patch_size,) * 2
+    grid = (img_size // patch[0], img_size // patch[1])
+    if tuple(embed.grid_size) == grid:
+        return
+    with torch.no_grad():
+        if getattr(model, "pos_embed", None) is not None:
+            model.pos_embed = nn.Parameter(
+                resample_abs_pos_embed_nhwc(model.pos_embed.detach(), list(grid)),
+                requires_grad=model.pos_embed.requires_grad,
+            )
+        for block in model.blocks:
+            attn = block.attn
+            if block.window_size > 0 or not getattr(attn, "use_rel_pos", False):
+                continue
+            for name, side in (("rel_pos_h", grid[0]), ("rel_pos_w", grid[1])):
+                table = getattr(attn, name)
+                resized = torch.nn.functional.interpolate(
+                    table.detach().reshape(1, table.shape[0], -1).permute(0, 2, 1), size=2 * side - 1, mode="linear"
+                )
+                setattr(
+                    attn,
+                    name,
+                    nn.Parameter(
+                        resized.reshape(-1, 2 * side - 1).permute(1, 0).contiguous(),
+                        requires_grad=table.requires_grad,
+                    ),
+                )
+    embed.img_size = (img_size, img_size)
+    embed.grid_size = grid
+    embed.num_patches = grid[0] * grid[1]
 
 
 # ---------------------------------------------------------------------------------------------- auto weights
@@ -221,15 +286,25 @@ def _hf_cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
+_WARNED_RANDOM: set[tuple[str, str]] = set()  # (backbone, reason) already reported in this process
+
+
 def _warn_random(timm_name: str, seed: int, reason: str) -> None:
+    """One PretrainedWeightsWarning per (backbone, reason) per process, not also a log record (which printed it
+    twice); later builds with the same reason log it at debug level only."""
+    if (timm_name, reason) in _WARNED_RANDOM:
+        logger.debug("weights='auto' for backbone %r: %s; random initialisation (reported above)", timm_name, reason)
+        return
+    _WARNED_RANDOM.add((timm_name, reason))
     msg = (
         f"weights='auto' for backbone {timm_name!r}: {reason}. USING RANDOM INITIALISATION (seed {seed}) - "
         f"results will be far below pretrained quality. To use pretrained weights offline, pass "
         f"weights='/path/to/{timm_name}.safetensors' (a timm state dict, e.g. saved with "
         f"safetensors.torch.save_file(timm.create_model({timm_name!r}, pretrained=True).state_dict(), ...) "
-        f"on a machine with internet), or copy a populated HF hub cache to this machine."
+        f"on a machine with internet, or a SAM/MedSAM, MAE/RETFound, DINO or torchvision checkpoint as "
+        f"distributed), or copy a populated HF hub cache to this machine (HF_HUB_CACHE, or pass its folder as "
+        f"weights)."
     )
-    logger.warning(msg)
     warnings.warn(msg, PretrainedWeightsWarning, stacklevel=4)
 
 
@@ -237,11 +312,17 @@ def _warn_random(timm_name: str, seed: int, reason: str) -> None:
 
 
 def _check_weights_path(weights: str) -> Path:
+    """The weights file, or Hugging Face hub cache folder, that ``weights`` names (checked before the build)."""
     path = Path(weights).expanduser()
+    if path.is_dir():
+        problem = checkpoints.weights_folder_problem(path)
+        if problem:
+            raise ModelError(problem)
+        return path
     if not path.is_file():
         raise ModelError(
-            f"weights file not found: {str(path)!r}; weights must be one of {list(WEIGHT_MODES)} "
-            f"or a path to an existing {'/'.join(WEIGHT_FILE_SUFFIXES)} file"
+            f"weights file not found: {str(path)!r}; weights must be one of {list(WEIGHT_MODES)}, "
+            f"a path to an existing {'/'.join(WEIGHT_FILE_SUFFIXES)} file or a Hugging Face hub cache folder"
         )
     if path.suffix not in WEIGHT_FILE_SUFFIXES:
         raise ModelError(
@@ -252,77 +333,22 @@ def _check_weights_path(weights: str) -> Path:
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read a state dict from .safetensors or a torch file, unwrapping ``{"state_dict": ...}``/``{"model": ...}``."""
-    path = Path(path)
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(path), device="cpu")
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - report any unreadable file uniformly
-        raise ModelError(f"cannot read weights file {str(path)!r}: {type(e).__name__}: {e}") from e
-    for wrapper in ("state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
-            state = state[wrapper]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ModelError(f"weights file {str(path)!r} does not contain a state dict of tensors")
-    for prefix in ("module.", "backbone."):  # DDP / AdaptedClassifier checkpoints
-        if state and all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix) :]: v for k, v in state.items()}
-    return state
+    """The backbone tensors of a weights file in any supported layout (models/checkpoints.py), unwrapped and with the
+    layout's decoder/prompt-encoder keys dropped; SAM keys are renamed by ``load_weights_file``, which has the model."""
+    return checkpoints.read_checkpoint(path).state
 
 
-def load_weights_file(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load backbone weights from a local file into a headless timm model (classifier keys dropped).
+def load_weights_file(model: nn.Module, path: str | os.PathLike) -> checkpoints.Checkpoint:
+    """Load backbone weights from a local file or Hugging Face cache folder into a headless timm model.
 
-    timm's own checkpoint filter for the architecture (if any) is applied first, so checkpoints at another
-    resolution/patch size get their position/patch embeddings resampled. Raises ModelError when no backbone
-    key matches or shapes disagree.
+    The layout (timm, SAM/MedSAM, MAE/RETFound, DINO, torchvision ResNet) is detected from the file's keys, classifier
+    and decoder keys are dropped and timm's checkpoint filter for the architecture resamples position/patch
+    embeddings to the model's sizes. Raises ModelError, naming the file, the format assumed and the first missing,
+    unexpected and mis-shaped keys, when the file does not fit (rule: models/checkpoints.py).
     """
-    state = read_state_dict(path)
-    classifiers = (getattr(model, "pretrained_cfg", {}) or {}).get("classifier") or ("head", "fc")
-    classifiers = (classifiers,) if isinstance(classifiers, str) else tuple(classifiers)
-    state = {k: v for k, v in state.items() if not any(k == c or k.startswith(c + ".") for c in classifiers)}
-    state = _timm_checkpoint_filter(model, state)
-
-    expected = model.state_dict()
-    matched = {k: v for k, v in state.items() if k in expected}
-    if not matched:
-        raise ModelError(
-            f"no key of weights file {str(path)!r} matches the backbone "
-            f"(file keys e.g. {sorted(state)[:4]}, backbone keys e.g. {list(expected)[:4]})"
-        )
-    mismatched = [
-        (k, tuple(v.shape), tuple(expected[k].shape)) for k, v in matched.items() if v.shape != expected[k].shape
-    ]
-    if mismatched:
-        shown = ", ".join(f"{k}: file {a} vs model {b}" for k, a, b in mismatched[:4])
-        raise ModelError(
-            f"weights file {str(path)!r} has {len(mismatched)} tensor(s) with the wrong shape "
-            f"for the backbone ({shown})"
-        )
-    model.load_state_dict(matched, strict=False)
-    missing = [k for k in expected if k not in matched]
-    if missing:
-        logger.warning(
-            "weights file %s: %d backbone tensor(s) not in the file keep their random init, e.g. %s",
-            path,
-            len(missing),
-            missing[:4],
-        )
+    return checkpoints.load_checkpoint(model, path)
 
 
 def _timm_checkpoint_filter(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Apply the architecture's timm ``checkpoint_filter_fn`` (resampling/renaming) if it has one."""
-    filter_fn: Callable | None = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
-    if filter_fn is None:
-        return state
-    try:
-        return filter_fn(state, model)
-    except Exception as e:  # noqa: BLE001 - a filter that cannot handle this file: load it unfiltered
-        logger.warning(
-            "timm checkpoint filter for %s failed (%s); loading the file unfiltered", type(model).__name__, e
-        )
-        return state
+    return checkpoints.timm_checkpoint_filter(model, state)

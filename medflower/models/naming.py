@@ -42,6 +42,8 @@ def adapter_modules(names: Iterable[str]) -> OrderedDict[str, list[str]]:
 
     Depth is the tuple of integers in the module name (``layers.1.blocks.0`` -> (1, 0)); within a block
     the attention adapter comes before the MLP adapter (the forward order), then registration order.
+    ViT and SAM encoders (``blocks.<k>``, windowed or global attention alike) order by block index; SAM's neck and
+    the decoder/head hold no adapter, so they never form a module here (decoder/head names are not ``backbone.``).
     """
     groups: OrderedDict[str, list[str]] = OrderedDict()
     for name in names:

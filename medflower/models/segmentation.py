@@ -1,9 +1,13 @@
-"""AdaptedSegmenter: a timm ViT/Swin encoder with adapters plus a light decoder that upsamples to the mask.
+"""AdaptedSegmenter: a timm ViT/Swin/SAM encoder with adapters plus a light decoder that upsamples to the mask.
 
 Only the adapters and the decoder train. The decoder is hand-written (timm has encoders, not
 decoders): a 1x1 projection of the patch grid, then ``log2(patch)`` stages of (bilinear x2, 3x3 conv,
 GroupNorm, GELU), then a 1x1 conv to one logit per foreground class. GroupNorm rather than BatchNorm,
 so the decoder has no running statistics outside its exchanged parameters.
+
+SAM encoders (family ``samvit``: timm's ``samvit_*``, aliases ``sam-b``/``sam-l``/``sam-h``/``medsam``) feed the
+decoder from their neck: ``forward_features`` ends with SAM's frozen neck (1x1 conv to 256 channels, LayerNorm2d,
+3x3 conv, LayerNorm2d), whose 256-channel grid at 1/16 is the image embedding SAM's own mask decoder reads.
 """
 
 from __future__ import annotations
@@ -68,8 +72,10 @@ class AdaptedSegmenter(AdaptedModel):
         self._freeze_all_but_trainable(adapter_param_names)
 
     def feature_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """Encoder features as a spatial grid ``[B, D, h, w]``."""
+        """Encoder features as a spatial grid ``[B, D, h, w]`` (SAM: its neck's output, already NCHW)."""
         tokens = self.backbone.forward_features(x)
+        if self.family == "samvit":
+            return tokens
         if self.family == "swin":  # timm Swin returns NHWC
             return tokens.permute(0, 3, 1, 2)
         tokens = tokens[:, getattr(self.backbone, "num_prefix_tokens", 0) :]
@@ -93,9 +99,18 @@ def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
     """Encoder with adapters + LightDecoder to ``num_classes`` foreground channels; deterministic for a spec."""
     check_num_classes(num_classes)
     family = backbone_family(resolve_backbone(spec.backbone))
-    if family not in ("vit", "swin"):
-        kind = "a ResNet" if family == "resnet" else "neither (SAM/MedSAM encoders are not supported yet)"
-        raise ModelError(f"segmentation needs a ViT or Swin encoder; {spec.backbone!r} is {kind}")
+    if family not in ("vit", "swin", "samvit"):
+        kind = "a ResNet" if family == "resnet" else "none of these"
+        raise ModelError(
+            f"segmentation needs a ViT or Swin encoder or SAM's image encoder (sam-b, sam-l, sam-h, medsam); "
+            f"{spec.backbone!r} is {kind}"
+        )
+    if spec.backbone == "medsam" and spec.weights == "auto":
+        raise ModelError(
+            "backbone 'medsam' is SAM ViT-B's architecture; timm has no MedSAM weights, so weights='auto' would "
+            "load SAM's (or random ones) under MedSAM's name. Pass MedSAM's checkpoint as a local file "
+            "(backbone-weights=/path/to/medsam_vit_b.pth) or use weights='none' for a random encoder"
+        )
     with torch.random.fork_rng(devices=[]):
         backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
         reduction = spec.img_size // _grid_side(backbone, family, spec.img_size)
@@ -105,9 +120,11 @@ def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
 
 
 def _grid_side(backbone: nn.Module, family: str, img_size: int) -> int:
+    if family != "swin":  # ViT and SAM (its neck keeps the patch grid): the patch grid, no forward pass
+        return int(backbone.patch_embed.grid_size[0])
     with torch.no_grad():
         was_training = backbone.training
         backbone.eval()
         out = backbone.forward_features(torch.zeros(1, 3, img_size, img_size))
         backbone.train(was_training)
-    return int(out.shape[1]) if family == "swin" else int(backbone.patch_embed.grid_size[0])
+    return int(out.shape[1])
