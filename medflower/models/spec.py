@@ -18,8 +18,8 @@ HEADS = ("linear", "text", "random")
 class ModelSpec:
     """Backbone + adapter configuration; validated on construction (weights files are checked at build time)."""
 
-    backbone: str = "vit-tiny"  # alias (BACKBONE_ALIASES) or any timm model name
-    adapter: str = "lora"  # lora | ia3 | bottleneck | none (head only)
+    backbone: str = "vit-tiny"  # alias (BACKBONE_ALIASES), timm model name, or U-Net (unet.UNET_BACKBONES)
+    adapter: str = "lora"  # lora | ia3 | bottleneck | none (head only) | full (whole backbone; U-Nets: full only)
     img_size: int = 32
     patch_size: int = 0  # 0 = backbone default; ViTs only
     weights: str = "auto"  # none | auto | path to a local .safetensors/.pth/.pt/.bin file
@@ -43,7 +43,11 @@ class ModelSpec:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
         targets = self.adapter_targets.split(",") if isinstance(self.adapter_targets, str) else self.adapter_targets
         object.__setattr__(self, "adapter_targets", tuple(t.strip() for t in targets if t.strip()))
-        resolve_backbone(self.backbone)
+        from .unet import check_unet_spec, is_unet  # imported here: unet.py builds on adapted.py, which imports this
+
+        unet = is_unet(self.backbone)  # U-Net baselines (models/unet.py) are smp models, not timm backbones
+        if not unet:
+            resolve_backbone(self.backbone)
         if self.adapter not in ADAPTERS:
             raise ModelError(f"unknown adapter {self.adapter!r}; choose one of {list(ADAPTERS)}")
         if not isinstance(self.weights, str) or not self.weights:
@@ -60,6 +64,8 @@ class ModelSpec:
         _check(0.0 <= self.lora_dropout < 1.0, "lora_dropout", self.lora_dropout, "in [0, 1)")
         _check(self.n_frequency >= 1, "n_frequency", self.n_frequency, "an integer >= 1")
         _check(self.bottleneck_ratio > 0.0, "bottleneck_ratio", self.bottleneck_ratio, "> 0")
+        if unet:
+            check_unet_spec(self)
 
 
 def _check(ok: bool, field: str, value: object, valid: str) -> None:
