@@ -29,6 +29,7 @@ from .data.spec import (
 from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
+from .models.unet import is_unet
 from .options import (
     Check,
     ConfigError,
@@ -77,19 +78,34 @@ def _dataset_check(v: str) -> str | None:
 
 
 def _backbone_check(v: str) -> str | None:
-    if v in BACKBONE_ALIASES:
+    from .models.unet import UNET_BACKBONES
+
+    if v in BACKBONE_ALIASES or v in UNET_BACKBONES:
         return None
     import timm
 
     if v in timm.list_models():
         return None
-    return "valid choices are " + ", ".join(BACKBONE_ALIASES) + " or any timm model name"
+    return "valid choices are " + ", ".join([*BACKBONE_ALIASES, *UNET_BACKBONES]) + " or any timm model name"
 
 
 def _weights_check(v: str) -> str | None:
-    if v in WEIGHT_MODES or Path(v).expanduser().is_file():
+    """none | auto | an existing weights file | a Hugging Face hub cache folder holding one (models/checkpoints.py)."""
+    from .models.checkpoints import WEIGHT_FILE_SUFFIXES, weights_folder_problem
+
+    path = Path(v).expanduser()
+    if v in WEIGHT_MODES:
         return None
-    return "valid choices are " + ", ".join(WEIGHT_MODES) + " or the path of an existing weights file"
+    if path.is_dir():
+        return weights_folder_problem(path)
+    if path.is_file():
+        if path.suffix in WEIGHT_FILE_SUFFIXES:
+            return None
+        return f"a weights file must end in one of {', '.join(WEIGHT_FILE_SUFFIXES)}"
+    return (
+        f"valid choices are {', '.join(WEIGHT_MODES)}, the path of an existing weights file "
+        f"({'/'.join(WEIGHT_FILE_SUFFIXES)}) or a Hugging Face hub cache folder"
+    )
 
 
 def _site_datasets(v: Any) -> str:
@@ -278,11 +294,18 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         positive,
         "tasks",
     ),
-    Option("backbone", "vit-tiny", "timm backbone alias or timm model name", _backbone_check, "model"),
+    Option(
+        "backbone",
+        "vit-tiny",
+        "timm backbone alias or timm model name; unet / resunet[-<depth>] for the U-Net baselines (segmentation)",
+        _backbone_check,
+        "model",
+    ),
     Option(
         "backbone-weights",
         "auto",
-        "none | auto (cached timm weights, else random + warning) | file path",
+        "none | auto (cached timm weights, else random + warning) | a weights file (timm, SAM/MedSAM, MAE/RETFound, "
+        "DINO, torchvision) | a Hugging Face cache folder",
         _weights_check,
         "model",
     ),
@@ -433,14 +456,29 @@ class ExperimentConfig:
                 self.strategy,
                 f"it trains {' or '.join(method.tasks)} models only; dataset {self.dataset!r} is {self.model_task}",
             )
-        if method.adapter and self.adapter not in ("lora", method.adapter):
+        if is_unet(self.backbone):  # a whole-network baseline: every parameter trains, LAT/SGCA share encoder stages
+            if method.adapter:
+                raise bad(
+                    "backbone",
+                    self.backbone,
+                    f"strategy {self.strategy!r} builds {method.adapter!r} variants of a transformer encoder; the "
+                    "U-Net baselines run under the strategies that exchange a model's named arrays (e.g. fedavg, "
+                    "fedprox, local, lat, sgca)",
+                )
+            if self.adapter not in ("lora", "full"):
+                raise bad(
+                    "adapter",
+                    self.adapter,
+                    f"backbone {self.backbone!r} trains every parameter; leave adapter unset or set 'full'",
+                )
+        elif method.adapter and self.adapter not in ("lora", method.adapter):
             what = "width-reduced whole encoders" if method.adapter == "full" else "the q and k projections"
             raise bad(
                 "adapter",
                 self.adapter,
                 f"strategy {self.strategy!r} trains adapter {method.adapter!r} ({what}); leave adapter unset",
             )
-        if self.adapter == "full" and not method.trains_backbone:
+        if self.adapter == "full" and not method.trains_backbone and not is_unet(self.backbone):
             raise bad(
                 "adapter",
                 "full",
@@ -578,12 +616,16 @@ class ExperimentConfig:
     def model_spec(self, class_names: list[str] | None = None) -> ModelSpec:
         """The run's ModelSpec: the run config's backbone and adapter settings, then the fields the strategy
         decides (its adapter, its head; a head encoding class texts needs the class names)."""
+        from .models.unet import ADAPTER as UNET_ADAPTER
+
         targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())
+        unet = is_unet(self.backbone)  # a U-Net baseline (models/unet.py): no timm name, no patches, adapter 'full'
         fields: dict[str, Any] = dict(
             backbone=self.backbone,
-            adapter=self.adapter,
+            # the run config's default adapter ('lora') means unset; any other adapter is refused by ModelSpec
+            adapter=UNET_ADAPTER if unet and self.adapter == "lora" else self.adapter,
             img_size=self.img_size,
-            patch_size=self.patch_size if backbone_family(resolve_backbone(self.backbone)) == "vit" else 0,
+            patch_size=self.patch_size if not unet and backbone_family(resolve_backbone(self.backbone)) == "vit" else 0,
             weights=self.backbone_weights,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
