@@ -29,6 +29,7 @@ from .data.spec import (
 from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
+from .models.build import MEDSAM_AUTO
 from .models.unet import is_unet
 from .options import (
     Check,
@@ -456,6 +457,8 @@ class ExperimentConfig:
                 self.strategy,
                 f"it trains {' or '.join(method.tasks)} models only; dataset {self.dataset!r} is {self.model_task}",
             )
+        if self.backbone == "medsam" and self.backbone_weights == "auto":
+            raise bad("backbone-weights", "auto", MEDSAM_AUTO)
         if is_unet(self.backbone):  # a whole-network baseline: every parameter trains, LAT/SGCA share encoder stages
             if method.adapter:
                 raise bad(

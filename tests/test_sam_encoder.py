@@ -168,8 +168,13 @@ def test_auto_without_cached_weights_falls_back_to_the_same_random_encoder_as_no
 
 
 def test_medsam_needs_its_weights_from_a_file():
-    with pytest.raises(ModelError, match="MedSAM's checkpoint as a local file"):
-        build_model(ModelSpec(backbone="medsam", adapter="bottleneck", img_size=64, task="segmentation"), 1)
+    for task in ("segmentation", "classification"):  # a classifier would otherwise load SAM's under MedSAM's name
+        with pytest.raises(ModelError, match="MedSAM's checkpoint as a local file"):
+            build_model(ModelSpec(backbone="medsam", adapter="bottleneck", img_size=64, task=task), 1)
+    from medflower.config import ConfigError, ExperimentConfig, defaults
+
+    with pytest.raises(ConfigError, match="'backbone-weights' = 'auto' is invalid: backbone 'medsam'"):
+        ExperimentConfig.from_run_config({**defaults(), "backbone": "medsam", "backbone-weights": "auto"})
 
 
 # ----------------------------------------------------------------------------------------- the SAM segmenter

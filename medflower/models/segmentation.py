@@ -105,12 +105,6 @@ def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
             f"segmentation needs a ViT or Swin encoder or SAM's image encoder (sam-b, sam-l, sam-h, medsam); "
             f"{spec.backbone!r} is {kind}"
         )
-    if spec.backbone == "medsam" and spec.weights == "auto":
-        raise ModelError(
-            "backbone 'medsam' is SAM ViT-B's architecture; timm has no MedSAM weights, so weights='auto' would "
-            "load SAM's (or random ones) under MedSAM's name. Pass MedSAM's checkpoint as a local file "
-            "(backbone-weights=/path/to/medsam_vit_b.pth) or use weights='none' for a random encoder"
-        )
     with torch.random.fork_rng(devices=[]):
         backbone, adapter_param_names, weights_source, feature_dim = build_backbone_with_adapter(spec)
         reduction = spec.img_size // _grid_side(backbone, family, spec.img_size)
