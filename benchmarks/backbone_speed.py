@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._report import write_results  # noqa: E402
 
 # name -> (ModelSpec fields, classes); ``task`` picks the loss.
 CONFIGS: dict[str, tuple[dict, int]] = {
@@ -265,17 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['peak_mb']:8.0f} {step_mb} {result['trainable_parameters']:>10,}",
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"written: {args.out}")
+    write_results(args.out, "results", results)
     return 0
 
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -43,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._report import print_table, write_results  # noqa: E402
 from medflower.data import DataSpec, make_loader  # noqa: E402
 from medflower.data.cache import cache_key, decoded  # noqa: E402
 from medflower.data.sources import open_source  # noqa: E402
@@ -185,8 +184,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "data_loading.json")
     args = parser.parse_args()
 
-    import torch
-
     started = time.perf_counter()
     import monai.transforms  # noqa: F401  (a site pays these imports once; they are not a reader's cost per image)
     import nibabel  # noqa: F401
@@ -218,14 +215,8 @@ def main() -> None:
         "train_per_s",
         "cached_vs_train",
     ]
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for row in rows:
-        cells = [f"{row[h]:,.1f}" if isinstance(row.get(h), float) else str(row.get(h, "–")) for h in header]
-        print("| " + " | ".join(cells) + " |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": torch.get_num_threads()}
-    args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    print(f"\nwritten to {args.out}")
+    print_table(header, rows, ",.1f")
+    write_results(args.out, "rows", rows)
 
 
 if __name__ == "__main__":

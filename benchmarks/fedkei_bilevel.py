@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._report import write_results  # noqa: E402
 
 MODES = ("finetune", "alpha", "direct", "first-order", "exact")
 
@@ -174,17 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['peak_extra_bytes'] / 2**20:8.1f}",
                 flush=True,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"written: {args.out}")
+    write_results(args.out, "results", results)
     return 0
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,10 +26,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._report import print_table, write_results  # noqa: E402
 from medflower.config import ExperimentConfig  # noqa: E402
 from medflower.results import RunRecorder  # noqa: E402
 from medflower.strategies.base import Reply  # noqa: E402
@@ -130,25 +128,8 @@ def main() -> None:
         "W speed-up",
         "max |W_cvxpy - W_closed|",
     ]
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for row in rows:
-        cells = [f"{row[h]:.3g}" if isinstance(row.get(h), float) else str(row.get(h, "–")) for h in header]
-        print("| " + " | ".join(cells) + " |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "torch_threads": torch.get_num_threads(),
-                },
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
-    print(f"\nwritten to {args.out}")
+    print_table(header, rows, ".3g")
+    write_results(args.out, "rows", rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,13 +32,13 @@ from .models.backbones import backbone_family
 from .models.build import MEDSAM_AUTO
 from .models.unet import is_unet
 from .options import (
-    Check,
     ConfigError,
     Option,
     bad,
     fraction_below_one,
     non_negative,
     one_of,
+    parsed,
     positive,
     unit_interval_open_left,
 )
@@ -116,19 +116,6 @@ def _site_datasets(v: Any) -> str:
         if (why := _dataset_check(entry)) or entry == "site":
             raise ValueError(f"entry {entry!r}: {why or 'site data comes from node-config data-path'}")
     return text
-
-
-def _parsed(parse: Callable[[str], Any]) -> Check:
-    """A check that runs one of the data layer's parsers (the same one the sites use) and returns its reason."""
-
-    def check(v: str) -> str | None:
-        try:
-            parse(v)
-        except ValueError as exc:
-            return str(exc)
-        return None
-
-    return check
 
 
 def _axis_check(v: int) -> str | None:
@@ -214,7 +201,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "how >8-bit and float images (16-bit PNG/TIFF, DICOM, NIfTI) become 0..255: auto (8-bit as is, DICOM's own "
         "window if it has one, else percentile:0.5,99.5), none, minmax, percentile:<low>,<high>, "
         "window:<center>,<width>",
-        _parsed(parse_intensity),
+        parsed(parse_intensity),
         "data",
     ),
     Option("slice-axis", 2, "volumes: the array axis 2-D slices are cut across (0, 1 or 2)", _axis_check, "data"),
@@ -222,7 +209,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "empty-slices",
         "keep",
         "volumes: slices whose mask has no foreground: keep, drop, or keep:<fraction> (a seeded share per case)",
-        _parsed(parse_empty_slices),
+        parsed(parse_empty_slices),
         "data",
     ),
     Option(
@@ -231,7 +218,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "what each mask value stands for, '<value>=<structure>[+<structure>],...' (e.g. '0=disc+cup,128=disc,255=' "
         "for REFUGE, '0=,1=peripheral,2=transition' for a label map); one output per structure; empty = binary "
         "(0/255, 0/1) or class-index masks",
-        _parsed(parse_mask_values),
+        parsed(parse_mask_values),
         "data",
     ),
     Option(
@@ -239,7 +226,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "",
         "training-only augmentation, seeded: a comma list of crop:<fraction>, flip, vflip, rotate:<degrees>, "
         "jitter:<strength>; empty = none",
-        _parsed(parse_augment),
+        parsed(parse_augment),
         "data",
     ),
     Option(

@@ -52,6 +52,20 @@ def one_of(*choices: str) -> Check:
     return check
 
 
+def parsed(parse: Callable[[str], Any]) -> Check:
+    """A check that runs the parser the code reading the key uses (the same one on server and sites) and returns
+    the parser's ValueError as its reason."""
+
+    def check(v: str) -> str | None:
+        try:
+            parse(v)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
 @dataclass(frozen=True)
 class Option:
     """One run-config key: its default (whose type is the key's type), help text, check and docs group."""

@@ -15,7 +15,7 @@ from medflower.models import (
     build_model,
     lowest_adapter_names,
 )
-from medflower.training import bce_dice_loss, dice_iou_per_image, evaluate, one_hot_masks, segmentation_metrics
+from medflower.training import bce_dice_loss, evaluate, one_hot_masks, segmentation_metrics, segmentation_scores
 from medflower.training.loops import OptimizerSpec, train_epochs
 
 SEG = dict(img_size=32, patch_size=8, weights="none", task="segmentation")
@@ -83,8 +83,10 @@ def test_dice_and_iou_per_image():
     pred[0, 0, 0, :2] = True  # 2 predicted pixels
     target[0, 0, 0, 1:4] = True  # 3 true pixels, 1 shared
     pred[1, 0] = target[1, 0] = True  # perfect
-    # image 2: empty prediction and empty target
-    dice, iou = dice_iou_per_image(pred, target)
+    # image 2: empty prediction and empty target, scored 1 under empty-masks='one' and left out under 'skip'
+    scores = segmentation_scores(pred, target, "one")
+    dice, iou = scores.dice, scores.iou
+    assert np.isnan(segmentation_scores(pred, target, "skip").dice[2, 0])
     np.testing.assert_allclose(dice[:, 0], [2 * 1 / 5, 1.0, 1.0])
     np.testing.assert_allclose(iou[:, 0], [1 / 4, 1.0, 1.0])
     metrics = segmentation_metrics(np.array([[0.5, 1.0]]), np.array([[0.25, 1.0]]), ["disc", "optic cup"])

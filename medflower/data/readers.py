@@ -181,6 +181,15 @@ def _tiff_image(path: str | Path, intensity: str, where: str, pil_error: Excepti
 
 
 def _nifti_image(path: str | Path, intensity: str, where: str) -> np.ndarray:
+    values = nifti_2d(path, where)
+    if values.dtype == np.uint8 and parse_intensity(intensity)[0] == "auto":
+        return values
+    return to_uint8(normalise_intensity(values, intensity))
+
+
+def nifti_2d(path: str | Path, where: str) -> np.ndarray:
+    """The 2-D voxel values of a NIfTI image or label map (axes of length 1 dropped; rows = the file's i axis), with
+    its scaling applied; DataError naming ``where`` when it cannot be read or holds more than one slice."""
     import nibabel as nib
 
     try:
@@ -192,11 +201,7 @@ def _nifti_image(path: str | Path, intensity: str, where: str) -> np.ndarray:
     if len(kept) > 2:
         raise DataError(f"{where}: NIfTI file of shape {shape} has more than one slice; a 2-D image is expected "
                         f"here, so {VOLUMES_HINT}")
-    values = _nifti_values(image, where)
-    values = values.reshape(kept if len(kept) == 2 else (shape + (1, 1))[:2])
-    if values.dtype == np.uint8 and parse_intensity(intensity)[0] == "auto":
-        return values
-    return to_uint8(normalise_intensity(values, intensity))
+    return _nifti_values(image, where).reshape(kept if len(kept) == 2 else (shape + (1, 1))[:2])
 
 
 def _nifti_values(image, where: str) -> np.ndarray:

@@ -46,11 +46,10 @@ import numpy as np
 from PIL import Image
 
 from .maskmap import MaskValueMap
-from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS
+from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, PIL_EXTENSIONS, nifti_2d
 from .spec import DataError, list_rows
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".ppm", ".pgm",
-                    *DICOM_EXTENSIONS, *NIFTI_EXTENSIONS)
+IMAGE_EXTENSIONS = (*PIL_EXTENSIONS, *DICOM_EXTENSIONS, *NIFTI_EXTENSIONS)
 MASK_EXTENSIONS = tuple(e for e in IMAGE_EXTENSIONS if e not in DICOM_EXTENSIONS)
 LOSSY_EXTENSIONS = (".jpg", ".jpeg")
 MASK_SUFFIXES = ("_mask", "_seg")
@@ -379,7 +378,7 @@ def mask_pixels(path: Path, value_map: MaskValueMap | None = None) -> np.ndarray
     ``value_map`` snapped to the nearest listed value. DataError naming the file when it cannot be read."""
     extension = file_extension(path)
     if extension in NIFTI_EXTENSIONS:
-        pixels = nifti_pixels(path, "mask")
+        pixels = nifti_2d(path, f"{path}: NIfTI mask")
     else:
         pixels = _pil_pixels(path)
     if extension in LOSSY_EXTENSIONS:
@@ -406,23 +405,6 @@ def _pil_pixels(path: Path) -> np.ndarray:
                             "mask of class indices")
         pixels = colour[..., 0]
     return pixels
-
-
-def nifti_pixels(path: Path, what: str = "image") -> np.ndarray:
-    """The 2-D array of a NIfTI file (nibabel; trailing axes of length 1 dropped), as stored: axis 0 is the
-    file's first (i) axis. DataError naming the file when it cannot be read or is not 2-D."""
-    import nibabel as nib
-
-    try:
-        array = np.asanyarray(nib.load(str(path)).dataobj)
-    except (OSError, ValueError, EOFError, nib.filebasedimages.ImageFileError) as exc:
-        raise DataError(f"{path}: cannot open NIfTI {what}: {exc}") from exc
-    while array.ndim > 2 and array.shape[-1] == 1:
-        array = array[..., 0]
-    if array.ndim != 2:
-        raise DataError(f"{path}: NIfTI {what} of shape {array.shape} is not 2-D (a segfolder holds 2-D images; "
-                        "3-D volumes are read by volumes:<root>)")
-    return np.asarray(array)
 
 
 def mask_values(pixels: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from .cache import ArraySet, entry_digest, file_identity
 from .image_datasets import SegArrayDataset
 from .maskmap import parse_mask_values
 from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, load_volume, volume_intensity
-from .segfolder import MASK_SUFFIXES, MAX_MASK_CLASS, mask_classes, shown_values
+from .segfolder import MASK_SUFFIXES, MAX_MASK_CLASS, file_extension, file_stem, mask_classes, shown_values
 from .sources import NA_LABELS, SPLITS, Source
 from .spec import DataError, DataSpec, list_rows, parse_empty_slices
 
@@ -62,11 +62,7 @@ def case_name(path: Path) -> str | None:
         return None
     if path.is_dir():
         return name
-    lower = name.lower()
-    for extension in sorted(IMAGE_FILE_EXTENSIONS, key=len, reverse=True):
-        if lower.endswith(extension):
-            return name[: -len(extension)]
-    return None
+    return file_stem(path) if file_extension(path) in IMAGE_FILE_EXTENSIONS else None
 
 
 def find_cases(root: Path) -> list[tuple[str, Path, Path]]:

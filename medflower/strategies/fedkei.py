@@ -43,7 +43,7 @@ from ..data.tasks import (
     parse_task_classes,
     site_class_order,
 )
-from ..options import Option, bad, non_negative, one_of, positive
+from ..options import Option, bad, non_negative, one_of, parsed, positive
 from ..training import evaluate, train_epochs
 from .base import (
     ArraySpec,
@@ -248,14 +248,6 @@ class FedKEIClient(ClientHalf):
 VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
 
 
-def _site_classes_check(v: str) -> str | None:
-    try:
-        parse_site_task_classes(v)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 OPTIONS = (
     Option(
         "task-epochs",
@@ -284,7 +276,7 @@ OPTIONS = (
         "",
         "fedkei: per-site class orders '<site>=<c_0>,<c_1>,...;...' (site = name or partition id), each as long as "
         "task-classes: a site lacking a class names another in its place; a site's node-config task-classes wins",
-        _site_classes_check,
+        parsed(parse_site_task_classes),
         "fedkei",
     ),
     Option("fedkei-k-head", 3, "fedkei: k-means++ clusters of the pooled heads", positive, "fedkei"),

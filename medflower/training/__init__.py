@@ -11,7 +11,7 @@ from .loops import (
     train_epochs,
 )
 from .losses import bce_dice_loss, one_hot_masks, task_loss
-from .metrics import auc_score, classification_metrics, dice_iou_per_image, segmentation_metrics
+from .metrics import auc_score, classification_metrics, segmentation_metrics, segmentation_scores
 
 __all__ = [
     "ExtraLoss",
@@ -27,6 +27,6 @@ __all__ = [
     "train_epochs",
     "auc_score",
     "classification_metrics",
-    "dice_iou_per_image",
     "segmentation_metrics",
+    "segmentation_scores",
 ]

@@ -88,22 +88,6 @@ def pooled_metrics(confusion: np.ndarray) -> dict[str, float]:
     }
 
 
-def dice_iou_per_image(pred: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Hard Dice and IoU of boolean masks ``[N, K, H, W]`` -> two ``[N, K]`` arrays.
-
-    An image where a class is absent from both prediction and target scores 1 (nothing to find,
-    nothing found), the convention of per-image Dice in Fed-Prostate/Fed-Polyp style evaluations.
-    """
-    pred, target = pred.astype(bool), target.astype(bool)
-    inter = (pred & target).sum(axis=(2, 3)).astype(np.float64)
-    p, t = pred.sum(axis=(2, 3)).astype(np.float64), target.sum(axis=(2, 3)).astype(np.float64)
-    union = p + t - inter
-    empty = (p + t) == 0
-    dice = np.where(empty, 1.0, 2 * inter / np.maximum(p + t, 1))
-    iou = np.where(empty, 1.0, inter / np.maximum(union, 1))
-    return dice, iou
-
-
 def segmentation_metrics(
     dice: np.ndarray, iou: np.ndarray, class_names: list[str] | None = None, hd95: np.ndarray | None = None
 ) -> dict[str, float]:
@@ -199,7 +183,7 @@ def segmentation_scores(pred: np.ndarray, target: np.ndarray, empty_masks: str =
     - ``'skip'``: nothing, it is left out of that structure's Dice and IoU (MONAI's ``ignore_empty=True``), so
       images without the structure do not inflate the mean; a false positive on them is counted in ``empty_fp``;
     - ``'one'``: Dice and IoU 1 when the prediction is empty too, 0 when it is not (MONAI's ``ignore_empty=False``;
-      the per-image convention of ``dice_iou_per_image``).
+      medflower's convention before the policy existed).
     """
     if empty_masks not in EMPTY_MASK_POLICIES:
         raise ValueError(f"empty_masks must be one of {', '.join(EMPTY_MASK_POLICIES)}, got {empty_masks!r}")
