@@ -13,12 +13,16 @@ File layout::
     targets:                       # optional: rounds until the mean over sites (or a pooled metric) first
       metric: balanced_accuracy    # reaches each value
       values: [0.55, 0.65, 0.75]
+    pretrain:                      # optional: foundation stand-ins the runs start from, built (once) when missing
+      outputs/weights/vit-tiny-64-pool-mim.safetensors: --objective mim --dataset segfolder:data/ph2 --img-size 64
     base: {num-rounds: 5}          # run-config shared by every run
     runs:
       - {name: fedavg, strategy: fedavg}
       - {name: local, strategy: local}
 
-Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mode started for
+A ``pretrain`` entry maps a weights file to the arguments of ``python -m medflower.pretrain`` that make it
+(docs/models.md#a-stand-in-pretrained-on-real-images); a file that exists is used as it is, so delete it to
+rebuild. Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mode started for
 this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks); running the
 file again redoes every run in its folder (``overwrite: false`` in ``base`` refuses instead).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
@@ -32,8 +36,11 @@ site), in points (×100), per metric, over the sites that report the metric in b
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -44,6 +51,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, ExperimentConfig, defaults
+from .pretrain import parse_args as parse_pretrain_args
 from .results import POOLED, read_records, safe_name
 from .strategies.continual_report import task_curve_layout
 
@@ -78,6 +86,7 @@ def load_plan(path: Path) -> dict[str, Any]:
             f"{path}: 'targets' needs a metric name and a list of values, e.g. "
             "{metric: balanced_accuracy, values: [0.55, 0.65, 0.75]}"
         )
+    plan["pretrain"] = _stand_ins(path, plan.get("pretrain"))
     names = set()
     for i, run in enumerate(plan["runs"]):
         if not isinstance(run, dict) or "name" not in run:
@@ -86,10 +95,11 @@ def load_plan(path: Path) -> dict[str, Any]:
             raise ExperimentFileError(f"{path}: run name {run['name']!r} appears twice")
         names.add(run["name"])
         for seed in plan["seeds"]:
+            config = run_config(plan, run, seed, Path("."))
+            if config.get("backbone-weights") in plan["pretrain"]:  # built before the first run
+                config["backbone-weights"] = "none"
             try:
-                ExperimentConfig.from_run_config(
-                    {**defaults(), **run_config(plan, run, seed, Path("."))}, check_paths=True
-                )
+                ExperimentConfig.from_run_config({**defaults(), **config}, check_paths=True)
             except ConfigError as err:
                 raise ExperimentFileError(f"{path}: run {run['name']!r}: {err}") from err
     if plan.get("reference") is not None and plan["reference"] not in names:
@@ -97,6 +107,44 @@ def load_plan(path: Path) -> dict[str, Any]:
             f"{path}: 'reference' {plan['reference']!r} is not one of the runs ({', '.join(sorted(names))})"
         )
     return plan
+
+
+def _stand_ins(path: Path, block: Any) -> dict[str, list[str]]:
+    """The ``pretrain`` block as {absolute weights path: pretrain arguments}; a malformed entry is an error."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict) or not all(isinstance(v, (str, list)) for v in block.values()):
+        raise ExperimentFileError(
+            f"{path}: 'pretrain' maps a weights file to the arguments of python -m medflower.pretrain, e.g. "
+            "{outputs/weights/w.safetensors: --objective mim --dataset segfolder:data/ph2}"
+        )
+    stand_ins = {}
+    for out, args in block.items():
+        argv = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
+        if "--out" in argv:
+            raise ExperimentFileError(f"{path}: pretrain entry {out}: the key is the output file; drop --out")
+        problem = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(problem):
+                parse_pretrain_args(argv)
+        except SystemExit as err:
+            message = problem.getvalue().strip().splitlines()[-1:] or [str(err)]
+            raise ExperimentFileError(f"{path}: pretrain entry {out}: {message[0]}") from None
+        stand_ins[str(Path(out).expanduser().resolve())] = argv
+    return stand_ins
+
+
+def build_stand_ins(plan: dict[str, Any]) -> None:
+    """Pretrain each missing ``pretrain`` weights file before the first run (an existing one is reused)."""
+    from .pretrain import main as pretrain
+
+    for out, argv in plan.get("pretrain", {}).items():
+        if Path(out).is_file():
+            print(f"stand-in {out}: exists, reused", flush=True)
+            continue
+        print(f"stand-in {out}: python -m medflower.pretrain {shlex.join(argv)}", flush=True)
+        if pretrain([*argv, "--out", out]) != 0:
+            raise ExperimentFileError(f"pretraining {out} failed")
 
 
 def select_runs(plan: dict[str, Any], only: str) -> dict[str, Any]:
@@ -149,6 +197,7 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
 
 
 def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
+    build_stand_ins(plan)
     jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
     n = int(plan["num-supernodes"])
     if engine == "inprocess":

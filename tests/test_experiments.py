@@ -143,3 +143,39 @@ def test_only_runs_and_compares_the_named_runs_in_the_files_order(tmp_path):
     out = tmp_path / "out" / "part"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["local-seed0"]
     assert set(json.loads((out / "comparison.json").read_text())["table"]) == {"local"}
+
+
+def test_a_pretrain_entry_builds_the_stand_in_once_before_the_runs_that_load_it(tmp_path, capsys):
+    from medflower.experiments import build_stand_ins
+
+    out = tmp_path / "weights" / "stand-in.safetensors"
+    plan = {
+        "name": "stand-in",
+        "pretrain": {str(out): "--dataset synthetic-seg --size 80 --epochs 1 --img-size 16 --batch-size 16"},
+        "base": TINY_BASE,
+        "runs": [{"name": "pretrained", "backbone-weights": str(out)}],
+    }
+    loaded = load_plan(write_yaml(tmp_path / "s.yaml", plan))  # the file does not exist yet: it will be built
+    build_stand_ins(loaded)
+    assert out.is_file() and "stand-in " + str(out) + ": python -m medflower.pretrain" in capsys.readouterr().out
+    built = out.stat().st_mtime_ns
+    build_stand_ins(load_plan(write_yaml(tmp_path / "s.yaml", plan)))
+    assert out.stat().st_mtime_ns == built and "exists, reused" in capsys.readouterr().out
+    plan["runs"] = [{"name": "other", "backbone-weights": str(tmp_path / "missing.safetensors")}]
+    with pytest.raises(ExperimentFileError, match="run 'other': .*backbone-weights"):
+        load_plan(write_yaml(tmp_path / "t.yaml", plan))  # only a pretrain entry's own file may be missing
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("--objective mim", "'pretrain' maps a weights file to the arguments"),
+        ({"w.safetensors": "--out x.safetensors"}, "the key is the output file; drop --out"),
+        ({"w.safetensors": "--objective masked"}, "argument --objective: invalid choice: 'masked'"),
+        ({"w.safetensors": ["--dataset", "synthetic", "--dataset", "csv:m.csv"]}, "trains one dataset's own task"),
+    ],
+)
+def test_a_bad_pretrain_entry_is_refused_before_anything_runs(tmp_path, block, message):
+    plan = {"pretrain": block, "base": TINY_BASE, "runs": [{"name": "a"}]}
+    with pytest.raises(ExperimentFileError, match=message):
+        load_plan(write_yaml(tmp_path / "p.yaml", plan))
