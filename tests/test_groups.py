@@ -75,6 +75,24 @@ def test_no_group_spans_partitions_or_splits(tmp_path, partition):
         assert partition_rows(spec, 3).sites == SITES
 
 
+def test_a_natural_partition_can_cut_each_site_into_alike_parts_keeping_groups_whole(tmp_path):
+    """num_partitions a multiple of the sites: each site's groups cut at random into equal parts, <site>-1.."""
+    spec = DataSpec(dataset=f"csv:{write_grouped_manifest(tmp_path)}", partition="natural", img_size=8)
+    source = open_source(spec)
+    whole = partition_rows(spec, 3)
+    halves = partition_rows(spec, 6)
+    assert halves.sites == ("a-hosp-1", "a-hosp-2", "b-hosp-1", "b-hosp-2", "c-hosp-1", "c-hosp-2")
+    for site in range(3):  # the two halves of a site are exactly that site's rows, split by whole groups
+        first, second = halves.rows[2 * site], halves.rows[2 * site + 1]
+        assert sorted(np.concatenate([first, second]).tolist()) == whole.rows[site].tolist()
+        assert not groups_of(first, source.groups) & groups_of(second, source.groups)
+        sizes = [len(groups_of(r, source.groups)) for r in (first, second)]
+        assert abs(sizes[0] - sizes[1]) <= 1  # 20 groups per site: 10 and 10
+    assert [load_client_data(spec, p, 6).site for p in (0, 5)] == ["a-hosp-1", "c-hosp-2"]
+    with pytest.raises(DataError, match="number of sites or a multiple of it .* num_partitions=4 and 3 site"):
+        partition_rows(spec, 4)
+
+
 def test_split_by_group_property_and_fractions():
     """Over seeds and random group layouts: each group in one split, every row in one split, the test and val
     shares near their fractions, stratified by the groups' labels."""

@@ -142,7 +142,7 @@ def test_segfolder_round_trip_natural_sites(tmp_path):
     written = np.asarray(Image.open(stem))
     full = load_client_data(DataSpec(dataset=f"segfolder:{root}", partition="natural", img_size=32), 0, 3)
     assert np.array_equal(full.train[0][1], written)
-    with pytest.raises(DataError, match="num_partitions equal to the number of sites.*hosp-a, hosp-b, hosp-c"):
+    with pytest.raises(DataError, match="or a multiple of it .* num_partitions=2 and 3 site.*hosp-a, hosp-b, hosp-c"):
         load_client_data(spec, 0, 2)
     iid = load_client_data(DataSpec(dataset=f"segfolder:{root}", partition="iid"), 0, 2)
     assert iid.site is None and iid.task == "segmentation"

@@ -69,8 +69,7 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
     if num_partitions > len(source):
         raise DataError(f"{source.name}: cannot split {len(source)} rows into {num_partitions} partitions")
     sites = source.sites(num_partitions)
-    if partition == "natural":
-        _check_natural_sites(source, sites, num_partitions)
+    parts_per_site = _check_natural_sites(source, sites, num_partitions) if partition == "natural" else 1
     grouping = source_grouping(source)
     labels = source.labels
     if grouping is not None:  # partition groups, one table row per group (rows keep their group's partition)
@@ -101,18 +100,20 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
             partitioner = _partitioner(partition, num_partitions, k, seed)
             partitioner.dataset = table
         if partition != "qbli":
-            rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions))
+            rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions // parts_per_site))
     except ValueError as exc:
         raise DataError(f"{source.name}: cannot make a {partition!r} partitioning into "
                         f"{num_partitions} partitions: {exc}") from exc
-    if grouping is not None:
-        rows = tuple(grouping.rows_of(chosen) for chosen in rows)
     if partition == "natural":
-        site_names = tuple(partitioner.partition_id_to_natural_id[p] for p in range(num_partitions))
+        site_names = tuple(partitioner.partition_id_to_natural_id[p] for p in range(len(rows)))
+        if parts_per_site > 1:  # cut per site before groups expand to rows: a group stays in one part
+            rows, site_names = _split_sites(rows, site_names, parts_per_site, seed)
     elif source.styled_by_partition:  # each partition renders in its own site style
         site_names = tuple(source.site_name(p, num_partitions) for p in range(num_partitions))
     else:
         site_names = (None,) * num_partitions
+    if grouping is not None:
+        rows = tuple(grouping.rows_of(chosen) for chosen in rows)
     return Partitioning(rows=rows, sites=site_names)
 
 
@@ -202,7 +203,23 @@ def _rows_of(partitioner: Partitioner, partition_id: int) -> np.ndarray:
     return rows
 
 
-def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partitions: int) -> None:
+def _split_sites(rows: tuple[np.ndarray, ...], names: tuple[str, ...], parts: int,
+                 seed: int) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
+    """Each natural site's rows (or groups) cut at random into ``parts`` near-equal partitions named
+    ``<site>-1`` .. ``<site>-<parts>``, in site order: alike sites made from one source."""
+    out_rows, out_names = [], []
+    for site, (site_rows, name) in enumerate(zip(rows, names)):
+        shuffled = np.random.default_rng([seed, site]).permutation(site_rows)
+        for j, part in enumerate(np.array_split(shuffled, parts)):
+            part = np.sort(part)
+            part.setflags(write=False)
+            out_rows.append(part)
+            out_names.append(f"{name}-{j + 1}")
+    return tuple(out_rows), tuple(out_names)
+
+
+def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partitions: int) -> int:
+    """Partitions per natural site: num_partitions must be the number of sites or a multiple of it."""
     if sites is None:
         raise DataError(f"{source.name}: partition 'natural' needs a site per row (a csv manifest "
                         f"with a site column, a segfolder, or a synthetic source); this source has none")
@@ -211,10 +228,11 @@ def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partition
         raise DataError(f"{source.name}: partition 'natural' needs a site in every row; "
                         f"{blank.size} row(s) have none: " + list_rows([source.row_name(r) for r in blank]))
     found = sorted(set(sites.tolist()))
-    if len(found) != num_partitions:
+    if num_partitions % len(found):
         raise DataError(f"{source.name}: partition 'natural' needs num_partitions equal to the number "
-                        f"of sites, but num_partitions={num_partitions} and {len(found)} site(s) were "
-                        f"found: {list_rows(found)}")
+                        f"of sites or a multiple of it (each site cut into equal parts), but "
+                        f"num_partitions={num_partitions} and {len(found)} site(s) were found: {list_rows(found)}")
+    return num_partitions // len(found)
 
 
 def split_client_rows(labels: np.ndarray, source_splits: np.ndarray | None, val_fraction: float,
