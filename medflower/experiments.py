@@ -267,9 +267,50 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     markdown = comparison_markdown(plan, table)
     if plan.get("per-client"):
         markdown += per_client_markdown(plan, per_client, result.get("delta_m"))
+    mixing = {run["name"]: final_mixing(plan, out_dir, run) for run in plan["runs"]}
+    if mixing := {name: w for name, w in mixing.items() if w is not None}:
+        result["sgca_W"] = mixing
+        (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
+        markdown += mixing_markdown(plan, mixing)
     (out_dir / "comparison.md").write_text(markdown)
     plot_overlay(plan, out_dir)
     return result
+
+
+def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> dict[str, Any] | None:
+    """SGCA's mixing matrix W of the last round that logged one (Eq. 7; rows = receiving site), averaged over
+    the seeds whose last W covers the same sites; None for a run that logs no W."""
+    matrices, clients = [], None
+    for seed in plan["seeds"]:
+        logged = [r for r in run_records(plan, out_dir, run, seed) if "sgca_W" in r and "sgca_clients" in r]
+        if not logged:
+            continue
+        last = logged[-1]
+        clients = clients or list(last["sgca_clients"])
+        if list(last["sgca_clients"]) == clients:
+            matrices.append(last["sgca_W"])
+    if not matrices:
+        return None
+    n = len(clients)
+    mean = [[statistics.fmean(float(w[i][j]) for w in matrices) for j in range(n)] for i in range(n)]
+    return {"clients": clients, "W": mean, "seeds": len(matrices)}
+
+
+def mixing_markdown(plan: dict[str, Any], mixing: dict[str, dict[str, Any]]) -> str:
+    """Each SGCA run's last-round W as a table: row i is what site i receives from each site."""
+    out = []
+    for name, entry in mixing.items():
+        clients = entry["clients"]
+        out += [
+            "",
+            f"{name}: SGCA's mixing weights W of the last round (row = receiving site), mean over "
+            f"{entry['seeds']} seed(s):",
+            "",
+            "| receiving site | " + " | ".join(clients) + " |",
+            "|---|" + "---|" * len(clients),
+        ]
+        out += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, entry["W"])]
+    return "\n".join(out) + "\n"
 
 
 def round_values(records: list[dict[str, Any]], metric: str) -> dict[int, float]:

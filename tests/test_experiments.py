@@ -179,3 +179,26 @@ def test_a_bad_pretrain_entry_is_refused_before_anything_runs(tmp_path, block, m
     plan = {"pretrain": block, "base": TINY_BASE, "runs": [{"name": "a"}]}
     with pytest.raises(ExperimentFileError, match=message):
         load_plan(write_yaml(tmp_path / "p.yaml", plan))
+
+
+def test_sgca_runs_get_their_last_rounds_mixing_weights_averaged_over_seeds(tmp_path):
+    from medflower.experiments import final_mixing, mixing_markdown
+
+    plan = {"seeds": [0, 1], "runs": [{"name": "sgca"}, {"name": "lat"}]}
+    sites = ["a-1", "a-2"]
+    for seed, last in ((0, [[0.7, 0.3], [0.2, 0.8]]), (1, [[0.5, 0.5], [0.4, 0.6]])):
+        folder = tmp_path / f"sgca-seed{seed}"
+        folder.mkdir()
+        records = [
+            {"kind": "server", "round": 1, "sgca_clients": sites, "sgca_W": [[1.0, 0.0], [0.0, 1.0]]},
+            {"kind": "eval", "round": 1, "client": "a-1", "dice": 0.5},
+            {"kind": "server", "round": 2, "sgca_clients": sites, "sgca_W": last},
+        ]
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        (tmp_path / f"lat-seed{seed}").mkdir()
+        (tmp_path / f"lat-seed{seed}" / "metrics.jsonl").write_text(json.dumps({"kind": "server", "round": 1}) + "\n")
+    mixing = final_mixing(plan, tmp_path, plan["runs"][0])
+    assert mixing["clients"] == sites and mixing["seeds"] == 2
+    assert sum(mixing["W"], []) == pytest.approx([0.6, 0.4, 0.3, 0.7])  # the last round's W, mean over the two seeds
+    assert final_mixing(plan, tmp_path, plan["runs"][1]) is None  # lat logs no W
+    assert "| a-2 | 0.300 | 0.700 |" in mixing_markdown(plan, {"sgca": mixing})
