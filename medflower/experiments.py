@@ -303,8 +303,7 @@ def mixing_markdown(plan: dict[str, Any], mixing: dict[str, dict[str, Any]]) -> 
         clients = entry["clients"]
         out += [
             "",
-            f"{name}: SGCA's mixing weights W of the last round (row = receiving site), mean over "
-            f"{entry['seeds']} seed(s):",
+            f"{name}: the last round's mixing weights W (row = receiving site), mean over {entry['seeds']} seed(s):",
             "",
             "| receiving site | " + " | ".join(clients) + " |",
             "|---|" + "---|" * len(clients),
