@@ -258,6 +258,9 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "table": table,
         "per_client": per_client,
     }
+    mixing = {run["name"]: final_mixing(plan, out_dir, run) for run in plan["runs"]}
+    if mixing := {name: w for name, w in mixing.items() if w is not None}:
+        result["sgca_W"] = mixing
     if plan.get("reference") is not None:
         reference = per_client[plan["reference"]]
         result["delta_m"] = {
@@ -267,19 +270,17 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     markdown = comparison_markdown(plan, table)
     if plan.get("per-client"):
         markdown += per_client_markdown(plan, per_client, result.get("delta_m"))
-    mixing = {run["name"]: final_mixing(plan, out_dir, run) for run in plan["runs"]}
-    if mixing := {name: w for name, w in mixing.items() if w is not None}:
-        result["sgca_W"] = mixing
-        (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
-        markdown += mixing_markdown(plan, mixing)
+    if mixing:
+        markdown += mixing_markdown(mixing)
     (out_dir / "comparison.md").write_text(markdown)
     plot_overlay(plan, out_dir)
     return result
 
 
 def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> dict[str, Any] | None:
-    """SGCA's mixing matrix W of the last round that logged one (Eq. 7; rows = receiving site), averaged over
-    the seeds whose last W covers the same sites; None for a run that logs no W."""
+    """The mixing matrix of the last round that logged one (``sgca_W``: SGCA's W of Eq. 7, or lat's fixed n_k
+    weights; rows = receiving site), averaged over the seeds whose last W covers the same sites; None for a run
+    that logs none."""
     matrices, clients = [], None
     for seed in plan["seeds"]:
         logged = [r for r in run_records(plan, out_dir, run, seed) if "sgca_W" in r and "sgca_clients" in r]
@@ -296,8 +297,8 @@ def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> di
     return {"clients": clients, "W": mean, "seeds": len(matrices)}
 
 
-def mixing_markdown(plan: dict[str, Any], mixing: dict[str, dict[str, Any]]) -> str:
-    """Each SGCA run's last-round W as a table: row i is what site i receives from each site."""
+def mixing_markdown(mixing: dict[str, dict[str, Any]]) -> str:
+    """Each run's last-round W as a table: row i is what site i receives from each site."""
     out = []
     for name, entry in mixing.items():
         clients = entry["clients"]

@@ -42,6 +42,8 @@ from safetensors.torch import save_file
 
 from .data import DataSpec, load_client_data, make_loader
 from .models import build_model
+from .models.backbones import backbone_family, resolve_backbone
+from .models.errors import ModelError
 from .models.spec import ModelSpec
 from .models.unet import is_unet
 from .training.loops import OptimizerSpec, evaluate, train_epochs
@@ -88,10 +90,6 @@ class SimMIM(torch.nn.Module):
 
     def __init__(self, backbone: torch.nn.Module, mask_ratio: float = MASK_RATIO):
         super().__init__()
-        from timm.models.vision_transformer import VisionTransformer
-
-        if not isinstance(backbone, VisionTransformer):
-            raise ValueError(f"--objective mim masks a ViT's patch tokens; {type(backbone).__name__} has none")
         self.backbone = backbone
         self.patch = backbone.patch_embed.patch_size[0]
         self.mask_ratio = mask_ratio
@@ -227,6 +225,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--objective supervised trains one dataset's own task; {len(args.dataset)} datasets were given "
             "(pool them with --objective contrastive or mim)"
         )
+    if args.objective == "mim":
+        try:
+            family = backbone_family(resolve_backbone(args.backbone))
+        except ModelError as err:
+            parser.error(f"--backbone {args.backbone}: {err}")
+        if family != "vit":
+            parser.error(
+                f"--backbone {args.backbone}: --objective mim masks a ViT's patch tokens; a {family} backbone has none"
+            )
     return args
 
 
@@ -271,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         objective = contrastive_objective if args.objective == "contrastive" else mim_objective
         if args.objective == "mim":
-            try:
-                model = SimMIM(backbone)
-            except ValueError as err:
-                raise SystemExit(f"python -m medflower.pretrain: error: --backbone {args.backbone}: {err}") from err
+            model = SimMIM(backbone)
         train = ImagePool([s.train for s in sets], args.img_size)
         val = ImagePool([s.val if len(s.val) > 1 else s.test for s in sets], args.img_size)
         print(f"pretraining on {len(train)} images ({len(val)} for validation) from {', '.join(args.dataset)}")

@@ -201,4 +201,4 @@ def test_sgca_runs_get_their_last_rounds_mixing_weights_averaged_over_seeds(tmp_
     assert mixing["clients"] == sites and mixing["seeds"] == 2
     assert sum(mixing["W"], []) == pytest.approx([0.6, 0.4, 0.3, 0.7])  # the last round's W, mean over the two seeds
     assert final_mixing(plan, tmp_path, plan["runs"][1]) is None  # lat logs no W
-    assert "| a-2 | 0.300 | 0.700 |" in mixing_markdown(plan, {"sgca": mixing})
+    assert "| a-2 | 0.300 | 0.700 |" in mixing_markdown({"sgca": mixing})

@@ -133,5 +133,6 @@ def test_pretraining_refuses_a_pooled_supervised_run_and_mim_without_patch_token
         pretrain(["--dataset", "synthetic", "--dataset", "synthetic-seg", "--out", out])
     assert "--objective supervised trains one dataset's own task; 2 datasets" in capsys.readouterr().err
     resnet = ["--objective", "mim", "--backbone", "resnet18", "--patch-size", "0", "--size", "40", "--img-size", "16"]
-    with pytest.raises(SystemExit, match="--backbone resnet18: --objective mim masks a ViT's patch tokens; ResNet has"):
+    with pytest.raises(SystemExit):
         pretrain([*resnet, "--out", out])
+    assert "--objective mim masks a ViT's patch tokens; a resnet backbone has none" in capsys.readouterr().err
