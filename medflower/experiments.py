@@ -162,10 +162,35 @@ def select_runs(plan: dict[str, Any], only: str) -> dict[str, Any]:
     return {**plan, "runs": [run for run in plan["runs"] if run["name"] in names]}
 
 
+def select_seeds(plan: dict[str, Any], seeds: str) -> dict[str, Any]:
+    """The plan restricted to the comma-separated seeds ``seeds`` ('' = every seed), in the file's order: more
+    seeds for a table can be run later (or elsewhere) and compared together with ``--compare-only``."""
+    parts = [s.strip() for s in seeds.split(",") if s.strip()]
+    if not parts:
+        return plan
+    if bad := [s for s in parts if not s.lstrip("-").isdigit()]:
+        raise ExperimentFileError(f"--seeds takes comma-separated integers, got {', '.join(bad)}")
+    chosen = {int(s) for s in parts}
+    if unknown := sorted(chosen - set(plan["seeds"])):
+        raise ExperimentFileError(
+            f"--seeds names {', '.join(map(str, unknown))}, which the file does not list (its seeds: "
+            f"{', '.join(map(str, plan['seeds']))})"
+        )
+    return {**plan, "seeds": [s for s in plan["seeds"] if s in chosen]}
+
+
 def delta_m(row: dict[str, float | None], reference: dict[str, float | None]) -> float | None:
     """FedBKD's Δm: mean over the sites in both of (value − reference value), in points (×100)."""
     diffs = [row[c] - reference[c] for c in row if row[c] is not None and reference.get(c) is not None]
     return 100.0 * statistics.fmean(diffs) if diffs else None
+
+
+def _absolute_dataset(dataset: str) -> str:
+    """A file-backed dataset entry with its path made absolute; other entries unchanged."""
+    for kind in ("csv:", "segfolder:", "volumes:"):
+        if dataset.startswith(kind):
+            return kind + str(Path(dataset[len(kind) :]).expanduser().resolve())
+    return dataset
 
 
 def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
@@ -173,10 +198,10 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     out = dict(config)
     if "data-dir" in out:
         out["data-dir"] = str(Path(out["data-dir"]).expanduser().resolve())
-    dataset = str(out.get("dataset", ""))
-    for kind in ("csv:", "segfolder:"):
-        if dataset.startswith(kind):
-            out["dataset"] = kind + str(Path(dataset[len(kind) :]).expanduser().resolve())
+    if "dataset" in out:
+        out["dataset"] = _absolute_dataset(str(out["dataset"]))
+    if out.get("site-datasets"):
+        out["site-datasets"] = ",".join(_absolute_dataset(e.strip()) for e in str(out["site-datasets"]).split(","))
     weights = out.get("backbone-weights")
     if isinstance(weights, str) and weights not in ("none", "auto"):
         out["backbone-weights"] = str(Path(weights).expanduser().resolve())
@@ -510,9 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--compare-only", action="store_true", help="only rebuild the table and curves")
     parser.add_argument("--only", default="", help="comma-separated run names: run and compare just these")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds of the file: run and compare just these")
     args = parser.parse_args(argv)
     try:
-        plan = select_runs(load_plan(args.file), args.only)
+        plan = select_seeds(select_runs(load_plan(args.file), args.only), args.seeds)
     except ExperimentFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

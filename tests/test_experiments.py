@@ -4,7 +4,16 @@ import json
 
 import pytest
 
-from medflower.experiments import ExperimentFileError, delta_m, load_plan, main, rounds_to_targets, select_runs
+from medflower.experiments import (
+    ExperimentFileError,
+    absolute_paths,
+    delta_m,
+    load_plan,
+    main,
+    rounds_to_targets,
+    select_runs,
+    select_seeds,
+)
 
 TINY_BASE = {
     "synthetic-size": 240,
@@ -143,6 +152,52 @@ def test_only_runs_and_compares_the_named_runs_in_the_files_order(tmp_path):
     out = tmp_path / "out" / "part"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["local-seed0"]
     assert set(json.loads((out / "comparison.json").read_text())["table"]) == {"local"}
+
+
+def test_data_paths_of_every_kind_are_taken_from_where_the_command_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = absolute_paths(
+        {
+            "dataset": "volumes:data/prostate",
+            "site-datasets": "segfolder:data/polyp, csv:ph2/manifest.csv,synthetic,medmnist:pneumoniamnist",
+            "data-dir": "data",
+        }
+    )
+    assert config["dataset"] == f"volumes:{tmp_path}/data/prostate"
+    assert config["site-datasets"].split(",") == [
+        f"segfolder:{tmp_path}/data/polyp",
+        f"csv:{tmp_path}/ph2/manifest.csv",
+        "synthetic",
+        "medmnist:pneumoniamnist",
+    ]
+    assert config["data-dir"] == str(tmp_path / "data")
+
+
+def test_seeds_runs_a_subset_and_compare_only_joins_them_with_earlier_seeds(tmp_path):
+    plan = {
+        "name": "more",
+        "num-supernodes": 2,
+        "seeds": [0, 1],
+        "metrics": ["auc"],
+        "base": {**TINY_BASE, "num-rounds": 1},
+        "runs": [{"name": "local", "strategy": "local"}],
+    }
+    path = write_yaml(tmp_path / "more.yaml", plan)
+    assert select_seeds(load_plan(path), " 1 ")["seeds"] == [1]
+    assert select_seeds(load_plan(path), "")["seeds"] == [0, 1]
+    with pytest.raises(ExperimentFileError, match="--seeds names 2, which the file does not list"):
+        select_seeds(load_plan(path), "1,2")
+    with pytest.raises(ExperimentFileError, match="comma-separated integers, got one"):
+        select_seeds(load_plan(path), "one")
+    out_args = ["--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]
+    assert main([str(path), *out_args, "--seeds", "1"]) == 0
+    out = tmp_path / "out" / "more"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["local-seed1"]
+    assert json.loads((out / "comparison.json").read_text())["seeds"] == [1]
+    assert main([str(path), *out_args, "--seeds", "0"]) == 0
+    assert main([str(path), *out_args, "--compare-only"]) == 0
+    table = json.loads((out / "comparison.json").read_text())["table"]["local"]
+    assert len(table["auc"]["values"]) == 2
 
 
 def test_a_pretrain_entry_builds_the_stand_in_once_before_the_runs_that_load_it(tmp_path, capsys):
