@@ -230,7 +230,7 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
 
         for i, (run, seed) in enumerate(jobs, 1):
             print(f"[{i}/{len(jobs)}] {run['name']} seed {seed} (in process)", flush=True)
-            run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n)
+            run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n, record_sent=False)
         return
     from .loopback import LoopbackFederation
 

@@ -29,8 +29,12 @@ class InProcessGrid(Grid):
         run_config: dict,
         node_configs: list[dict] | None = None,
         drop: DropRule | None = None,
+        record_sent: bool = True,
     ):
         self.client_app = client_app
+        # Tests read every message the ServerApp sent (``sent``); a long experiment must not keep them, since each
+        # holds its arrays (10 ResNet-18 sites: about 1.3 GB more per round).
+        self.record_sent = record_sent
         self.drop = drop
         self.contexts: dict[int, Context] = {}
         for i in range(num_nodes):
@@ -65,7 +69,8 @@ class InProcessGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
         for message in messages:
-            self.sent.append(message)
+            if self.record_sent:
+                self.sent.append(message)
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts or (self.drop and self.drop(node_id, message)):
                 continue
@@ -78,13 +83,18 @@ class InProcessGrid(Grid):
 
 
 def run_inprocess(
-    run_config: dict, num_nodes: int, drop: DropRule | None = None, node_configs: list[dict] | None = None
+    run_config: dict,
+    num_nodes: int,
+    drop: DropRule | None = None,
+    node_configs: list[dict] | None = None,
+    record_sent: bool = True,
 ) -> tuple[dict, InProcessGrid]:
-    """Run the medflower ServerApp logic against ``num_nodes`` in-process ClientApps."""
+    """Run the medflower ServerApp logic against ``num_nodes`` in-process ClientApps (``record_sent=False``: the
+    grid keeps no sent message, for long runs)."""
     from .client_app import app as client_app
     from .config import defaults
     from .server_app import run_experiment
 
     full = {**defaults(), **run_config}
-    grid = InProcessGrid(client_app, num_nodes, full, node_configs=node_configs, drop=drop)
+    grid = InProcessGrid(client_app, num_nodes, full, node_configs=node_configs, drop=drop, record_sent=record_sent)
     return run_experiment(grid, full), grid

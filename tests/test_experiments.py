@@ -257,3 +257,13 @@ def test_sgca_runs_get_their_last_rounds_mixing_weights_averaged_over_seeds(tmp_
     assert sum(mixing["W"], []) == pytest.approx([0.6, 0.4, 0.3, 0.7])  # the last round's W, mean over the two seeds
     assert final_mixing(plan, tmp_path, plan["runs"][1]) is None  # lat logs no W
     assert "| a-2 | 0.300 | 0.700 |" in mixing_markdown({"sgca": mixing})
+
+
+def test_an_in_process_experiment_keeps_no_sent_message_while_tests_can_read_them(tmp_path):
+    from medflower.inprocess import run_inprocess
+
+    config = {**TINY_BASE, "dataset": "synthetic", "output-dir": str(tmp_path), "run-name": "r"}
+    summary, grid = run_inprocess({**config, "run-name": "kept"}, num_nodes=2)
+    assert {m.metadata.message_type for m in grid.sent} >= {"train"} and summary["rounds"] == 2
+    summary, grid = run_inprocess({**config, "run-name": "dropped"}, num_nodes=2, record_sent=False)
+    assert grid.sent == [] and summary["rounds"] == 2
