@@ -61,6 +61,11 @@ class _RegisteredStrategy:
         return None if v in STRATEGIES else "valid choices are " + ", ".join(STRATEGIES)
 
 
+# dataset kinds whose argument is a path (a csv manifest; a segfolder or volumes folder): checked here, made absolute
+# by the experiment runner
+PATH_DATASETS = ("csv", "segfolder", "volumes")
+
+
 def _dataset_check(v: str) -> str | None:
     kind = v.split(":", 1)[0]
     valid = (
@@ -527,7 +532,7 @@ class ExperimentConfig:
                 )
         elif kind == "csv" and not Path(arg).expanduser().is_file():
             raise bad(key, dataset, f"manifest {Path(arg).expanduser().resolve()} does not exist")
-        elif kind in ("segfolder", "volumes") and not Path(arg).expanduser().is_dir():
+        elif kind in PATH_DATASETS and kind != "csv" and not Path(arg).expanduser().is_dir():
             raise bad(key, dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
 
     @property

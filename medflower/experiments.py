@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, ExperimentConfig, defaults
+from .config import PATH_DATASETS, ConfigError, ExperimentConfig, defaults
 from .pretrain import parse_args as parse_pretrain_args
 from .results import POOLED, read_records, safe_name
 from .strategies.continual_report import task_curve_layout
@@ -187,9 +187,9 @@ def delta_m(row: dict[str, float | None], reference: dict[str, float | None]) ->
 
 def _absolute_dataset(dataset: str) -> str:
     """A file-backed dataset entry with its path made absolute; other entries unchanged."""
-    for kind in ("csv:", "segfolder:", "volumes:"):
-        if dataset.startswith(kind):
-            return kind + str(Path(dataset[len(kind) :]).expanduser().resolve())
+    kind, colon, arg = dataset.partition(":")
+    if colon and kind in PATH_DATASETS:
+        return f"{kind}:{Path(arg).expanduser().resolve()}"
     return dataset
 
 

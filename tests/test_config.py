@@ -218,3 +218,18 @@ def test_server_refuses_a_natural_partition_of_a_manifest_without_sites_before_r
     }
     with pytest.raises(DataError, match="partition 'natural' needs a site per row"):
         inprocess.run_inprocess(config, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("dataset", "csv:{tmp}/none.csv", "manifest {tmp}/none.csv does not exist"),
+        ("dataset", "segfolder:{tmp}/none", "folder {tmp}/none does not exist"),
+        ("dataset", "volumes:{tmp}/none", "folder {tmp}/none does not exist"),
+        ("site-datasets", "synthetic,csv:{tmp}/none.csv", "manifest {tmp}/none.csv does not exist"),
+    ],
+)
+def test_a_dataset_path_that_is_not_there_is_refused_with_the_key_and_the_path(tmp_path, key, value, message):
+    value = value.format(tmp=tmp_path)
+    with pytest.raises(ConfigError, match=f"'{key}'.*{message.format(tmp=tmp_path)}"):
+        ExperimentConfig.from_run_config({**defaults(), "partition": "iid", key: value}, check_paths=True)
