@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from .config import ExperimentConfig
+from .privacy import privatise_train_reply
 from .strategies import STRATEGIES
 from .strategies.client import ClientRuntime
 
@@ -36,7 +37,10 @@ def handle(message: Message, context: Context) -> Message:
         half = cfg.strategy_class.client_half(runtime)
         category, _, action = message.metadata.message_type.partition(".")
         handler = getattr(half, action or category)
-        return Message(handler(message), reply_to=message)
+        content = handler(message)
+        if message.metadata.message_type == "train":  # run-config dp: clip (and noise) the update before it leaves
+            content = privatise_train_reply(message.content, content, cfg)
+        return Message(content, reply_to=message)
     except Exception as err:
         kind = type(err).__name__
         log(ERROR, "[medflower] %s failed on this site: %s: %s", message.metadata.message_type, kind, err, exc_info=err)

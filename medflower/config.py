@@ -42,8 +42,9 @@ from .options import (
     positive,
     unit_interval_open_left,
 )
+from .privacy import DP_OPTIONS, check_privacy_config
 from .strategies import STRATEGIES
-from .strategies.registry import strategies_with
+from .strategies.registry import strategies_with, strategies_with_dp
 from .strategies.server import FederatedStrategy
 from .strategies.site_registry import SiteRegistry
 
@@ -354,8 +355,9 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         positive,
         "replies",
     ),
+    *DP_OPTIONS,
 )
-GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies")
+GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies", "privacy")
 GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
 
 
@@ -508,6 +510,13 @@ class ExperimentConfig:
                 "dataset='site' reads data only on the sites, so the server needs num-classes > 0 or class-names",
             )
         method.check_config(self, check_paths)
+        check_privacy_config(
+            self,
+            self.strategy,
+            method.client_dp,
+            {mode: strategies_with_dp(mode) for mode in ("site", "server")},
+            self.num_rounds,
+        )
         if check_paths:
             self.check_data_paths()
             if self.site_registry:

@@ -108,6 +108,8 @@ class RunRecorder:
             s = server[-1]
             parts.append(f"up={s['bytes_up'] / 1e6:.2f}MB down={s['bytes_down'] / 1e6:.2f}MB")
             parts += [f"{m}={s[m]:.3f}" for m in POOLED if isinstance(s.get(m), (int, float))]
+            if isinstance(s.get("dp_epsilon"), (int, float)):
+                parts.append(f"epsilon={s['dp_epsilon']:.3f} (delta={s['dp_delta']:g})")
             if s.get("num_failed") or s.get("num_rejected"):
                 parts.append(f"failed={s['num_failed']} rejected={s['num_rejected']}")
         return f"mean over {len(evals)} clients: " + " ".join(parts)
@@ -175,6 +177,16 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def privacy_line(privacy: Mapping) -> str:
+    """summary.md's line for a run with dp."""
+    target = f", target {privacy['target_epsilon']:g}" if privacy.get("target_epsilon") else ""
+    return (
+        f"Differential privacy (dp='{privacy['dp']}', noise multiplier {privacy['noise_multiplier']:g}, clipping "
+        f"norm {privacy['clipping_norm']:g}): **ε = {privacy['epsilon']:.3f}** at δ = {privacy['delta']:g} after "
+        f"{privacy['rounds']} rounds{target} ({privacy['accountant']})."
+    )
+
+
 class RunReport:
     """How summary.md and curves.png present a run: every client's last evaluation, per-round curves.
 
@@ -208,6 +220,7 @@ class RunReport:
             "",
             f"{summary['rounds']} {self.unit}, {summary['wall_time_s']} s.",
             "",
+            *([privacy_line(summary["privacy"]), ""] if summary.get("privacy") else []),
             *self.sections(summary),
             "| client | " + " | ".join(metrics) + " |",
             "|---|" + "---|" * len(metrics),

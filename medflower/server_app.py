@@ -91,7 +91,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     elapsed_before = strategy.elapsed_s
     strategy.run(grid)
     wall = elapsed_before + (time.monotonic() - started)
-    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=strategy.summary_extra(), report=strategy.report())
+    extra = {**strategy.summary_extra(), **(strategy.privacy.summary() if strategy.privacy else {})}
+    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report())
     final = ", ".join(
         f"{k}={v:.4f}"
         for k, v in summary["final"].items()

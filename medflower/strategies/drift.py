@@ -203,6 +203,7 @@ class FedDyn(FederatedStrategy):
     name = "feddyn"
     client_half = FedDynClient
     trains_backbone = True
+    client_dp = ("site",)  # h and θ are post-processing of the noised θ_i
     options = (Option("feddyn-alpha", 0.01, "FedDyn regulariser alpha", positive, "feddyn"),)
 
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:

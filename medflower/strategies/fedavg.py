@@ -70,6 +70,7 @@ class FedAvg(FederatedStrategy):
     name = "fedavg"
     client_half = FedAvgClient
     trains_backbone = True
+    client_dp = ("site", "server")
 
 
 @register_strategy

@@ -48,3 +48,8 @@ def register_strategy(cls: S) -> S:
 def strategies_with(fact: str) -> list[str]:
     """Names of the registered strategies whose class attribute ``fact`` is true, for error messages."""
     return [name for name, cls in STRATEGIES.items() if getattr(cls, fact)]
+
+
+def strategies_with_dp(mode: str) -> list[str]:
+    """Names of the registered strategies whose exchange allows client-level DP ``mode`` (their ``client_dp``)."""
+    return [name for name, cls in STRATEGIES.items() if mode in cls.client_dp]

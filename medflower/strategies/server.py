@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 
 from ..data.tasks import parse_task_classes
 from ..options import Option
+from ..privacy import PrivacyLedger, noised_mean
 from ..results import RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
 from .checkpoint import Checkpointer, non_finite
@@ -84,6 +85,7 @@ class RoundStats:
     failed: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
     aggregation_s: float = 0.0
+    asked: int = 0  # nodes sent a training message in the round's default protocol (dp='server''s m)
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
 
 
@@ -108,6 +110,10 @@ class FederatedStrategy:
     mixed_tasks: ClassVar[bool] = False  # shares only the encoder, so sites may hold different tasks (site-datasets)
     # Message actions beyond train/evaluate/query that the client half answers, e.g. ("train", "fedkei_inner").
     extra_actions: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Client-level DP modes its exchange allows (docs/privacy.md#which-strategies-can-use-it): 'site' needs every
+    # training reply to update arrays the site received under the same names; 'server' needs the default
+    # aggregation (one mean over the replies).
+    client_dp: ClassVar[tuple[str, ...]] = ()
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
@@ -143,6 +149,7 @@ class FederatedStrategy:
         self.stats = RoundStats()
         self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint", keep=cfg.keep_checkpoints)
         self.registry = SiteRegistry.load(cfg.site_registry) if cfg.site_registry else None
+        self.privacy = PrivacyLedger(cfg) if cfg.dp != "none" else None
         self.setup(initial)
 
     def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -174,6 +181,7 @@ class FederatedStrategy:
                 "config": self.cfg.fingerprint(),
                 "array_order": list(arrays),
                 "strategy_meta": meta,
+                "privacy": self.privacy.state_dict() if self.privacy else None,
             },
         )
 
@@ -191,6 +199,8 @@ class FederatedStrategy:
             key, (now, then) = next(iter(differing.items()))
             raise ValueError(f"cannot resume: run-config '{key}' is {now!r} now but was {then!r} in {directory}")
         self.load_state(arrays, meta.get("strategy_meta", {}))
+        if self.privacy is not None and meta.get("privacy"):
+            self.privacy.load_state_dict(meta["privacy"])
         self.completed_rounds = int(meta["completed_rounds"])
         self.elapsed_s = float(meta.get("elapsed_s", 0.0))
         log(INFO, "[medflower] resumed %s from %s after round %d", self.name, store.loaded, self.completed_rounds)
@@ -409,6 +419,15 @@ class FederatedStrategy:
         """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
         self.wait_for_nodes(grid)
         for rnd in range(self.completed_rounds + 1, self.total_rounds() + 1):
+            if self.privacy is not None and not self.privacy.allows_next_round():
+                log(
+                    WARNING,
+                    "[medflower] stopping before %s %d: it would spend more than dp-target-epsilon = %g",
+                    self.round_label,
+                    rnd,
+                    self.cfg.dp_target_epsilon,
+                )
+                break
             started = time.monotonic()
             self.stats = RoundStats()
             self.refresh_nodes(grid, rnd)
@@ -421,6 +440,8 @@ class FederatedStrategy:
                 self.load_state(*before)
                 log(WARNING, "[medflower] %s %d failed: %s; the previous model is kept", self.round_label, rnd, problem)
                 self.stats.extra["round_failed"] = problem
+            if self.privacy is not None:
+                self.stats.extra.update(self.privacy.after_round())
             self.completed_rounds = rnd
             round_s = time.monotonic() - started
             self.elapsed_s += round_s
@@ -460,6 +481,7 @@ class FederatedStrategy:
     def run_round(self, grid: Grid, rnd: int) -> None:
         selected = self.sample_nodes(rnd)
         contents = {n: self.train_content(rnd, n) for n in selected}
+        self.stats.asked = len(contents)
         replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
         for reply in replies:
             self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
@@ -513,4 +535,15 @@ class FederatedStrategy:
         return RecordDict({"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)})
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        """The n_k-weighted mean of the replies; with dp='server' the uniform mean of the clipped updates over the
+        sites asked, plus the Gaussian noise (medflower/privacy/client_dp.py)."""
+        if self.cfg.dp == "server":
+            self.global_arrays = noised_mean(
+                self.global_arrays,
+                [r.arrays for r in replies],
+                self.stats.asked,
+                self.cfg.dp_clipping_norm,
+                self.cfg.dp_noise_multiplier,
+            )
+            return
         self.global_arrays = weighted_mean([r.arrays for r in replies], self.shares([r.num_examples for r in replies]))

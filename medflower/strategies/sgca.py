@@ -278,6 +278,7 @@ class SGCA(FederatedStrategy):
     name = "sgca"
     client_half = SGCAClient
     options = OPTIONS
+    client_dp = ("site",)  # W and each Θ̂_i are post-processing of the noised Θ_j
 
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         cfg = self.cfg

@@ -151,6 +151,7 @@ class SiFT(FederatedStrategy):
     name = "sift"
     client_half = SiFTClient
     options = OPTIONS
+    client_dp = ("site",)  # each hop of the relay sends on a noised update of the pair it received
     tasks = ("classification",)  # the text-guided head classifies
     trains_backbone = True
 

@@ -1,0 +1,221 @@
+"""Client-level differential privacy (docs/privacy.md): clipping, the noise's calibration, the accountant against
+an independent library and the closed-form RDP bound, bad run configs, and whole runs in both modes."""
+
+import json
+import math
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from conftest import records, run_dir_of
+from flwr.app import ConfigRecord, RecordDict
+from safetensors.numpy import load_file
+
+from medflower.config import ConfigError, ExperimentConfig
+from medflower.inprocess import run_inprocess
+from medflower.privacy import PrivacyLedger, clipped, noised_mean, privatise_train_reply, privatise_update, update_norm
+from medflower.privacy.accounting import max_rounds_within, min_noise_within, planned_epsilon
+from medflower.strategies.records import from_record, to_record
+
+
+def _arrays(rng, scale=1.0):
+    return OrderedDict(
+        (("a", rng.normal(0, scale, (4, 5)).astype(np.float32)), ("b", rng.normal(0, scale, 7).astype(np.float32)))
+    )
+
+
+# ----------------------------------------------------------------------------- clipping and noise
+def test_clipping_bounds_the_whole_update_and_keeps_its_direction():
+    rng = np.random.default_rng(0)
+    update = _arrays(rng, scale=3.0)
+    out = clipped(update, 0.5)
+    assert update_norm(out) == pytest.approx(0.5)
+    flat_in = np.concatenate([v.ravel() for v in update.values()])
+    flat_out = np.concatenate([v.ravel() for v in out.values()])
+    assert np.allclose(flat_out / np.linalg.norm(flat_out), flat_in / np.linalg.norm(flat_in), atol=1e-6)
+    small = clipped(update, 1e6)  # within the bound: unchanged
+    assert all(np.allclose(small[k], update[k]) for k in update)
+    zero = clipped(OrderedDict(a=np.zeros(3)), 1.0)  # a site whose arrays did not move: no division by zero
+    assert np.array_equal(zero["a"], np.zeros(3))
+
+
+def test_site_noise_has_the_calibrated_standard_deviation():
+    received = OrderedDict(w=np.zeros(400_000, dtype=np.float32))
+    out = privatise_update(received, received, clipping_norm=0.2, noise_std=1.5 * 0.2, rng=np.random.default_rng(1))
+    assert out["w"].dtype == np.float32
+    assert np.std(out["w"]) == pytest.approx(0.3, rel=0.01)
+    assert abs(np.mean(out["w"])) < 0.003
+
+
+def test_site_reply_is_received_plus_clipped_update():
+    rng = np.random.default_rng(2)
+    received, sent = _arrays(rng), _arrays(rng, scale=10.0)
+    out = privatise_update(received, sent, clipping_norm=1.0, noise_std=0.0)
+    moved = OrderedDict((k, out[k].astype(np.float64) - received[k]) for k in received)
+    assert update_norm(moved) == pytest.approx(1.0, rel=1e-5)
+    # without a generator the noise comes from the OS's entropy: two privatisations never agree
+    a = privatise_update(received, sent, 1.0, 0.1)
+    b = privatise_update(received, sent, 1.0, 0.1)
+    assert not np.array_equal(a["a"], b["a"])
+
+
+def test_site_reply_that_updates_nothing_received_is_refused():
+    rng = np.random.default_rng(3)
+    received = _arrays(rng)
+    with pytest.raises(ValueError, match="'c' updates nothing the site received"):
+        privatise_update(received, OrderedDict(c=np.zeros(2, dtype=np.float32)), 1.0, 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        privatise_update(received, OrderedDict(a=np.zeros(3, dtype=np.float32)), 1.0, 0.0)
+
+
+def test_train_reply_hook_clips_in_site_mode_and_leaves_metrics_only_replies():
+    rng = np.random.default_rng(4)
+    received, trained = _arrays(rng), _arrays(rng, scale=5.0)
+    message = RecordDict({"arrays": to_record(received), "config": ConfigRecord({"round": 1})})
+    cfg = ExperimentConfig.from_run_config(
+        {"dp": "site", "dp-clipping-norm": 0.1, "dp-noise-multiplier": 1e-9}, check_paths=False
+    )
+    out = privatise_train_reply(message, RecordDict({"arrays": to_record(trained)}), cfg)
+    sent = from_record(out["arrays"])
+    assert update_norm(OrderedDict((k, sent[k].astype(np.float64) - received[k]) for k in sent)) <= 0.1 + 1e-6
+    metrics_only = RecordDict({})
+    assert privatise_train_reply(message, metrics_only, cfg) is metrics_only
+
+
+def test_server_mean_has_the_fixed_denominator_and_clips_every_reply():
+    """dp='server': sent + Σ clip(Δ_k)/m + noise with m the sites asked; a site that sends an unclipped update gets
+    clipped by the server anyway."""
+    rng = np.random.default_rng(5)
+    sent = _arrays(rng)
+    honest = OrderedDict((k, v + 0.01) for k, v in sent.items())  # ‖Δ‖ = 0.01·√27 < C
+    rogue = OrderedDict((k, v + 1e3) for k, v in sent.items())  # far beyond C
+    out = noised_mean(sent, [honest, rogue], num_asked=3, clipping_norm=0.5, noise_multiplier=1e-12)
+    rogue_dir = 1.0 / math.sqrt(27)  # the unit update of +1 everywhere
+    for k in sent:
+        expected = sent[k].astype(np.float64) + (0.01 + 0.5 * rogue_dir) / 3
+        assert np.allclose(out[k], expected, atol=1e-6)
+    big = OrderedDict(w=np.zeros(300_000, dtype=np.float32))
+    noised = noised_mean(
+        big, [big, big], num_asked=4, clipping_norm=2.0, noise_multiplier=1.0, rng=np.random.default_rng(6)
+    )
+    assert np.std(noised["w"]) == pytest.approx(2.0 / 4, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- accounting
+@pytest.mark.parametrize("z", [0.7, 1.0, 2.5])
+@pytest.mark.parametrize("rounds", [1, 10, 60])
+def test_accountant_agrees_with_opacus_and_the_closed_form_bound(z, rounds):
+    """Flower's RDP accountant (dp-accounting) against Opacus's, an independent implementation, and against the
+    classic conversion ε ≤ min_α T·α/(2z²) + log(1/δ)/(α−1) of the Gaussian mechanism's RDP (Mironov 2017),
+    which the accountants' tighter conversion may only improve on."""
+    from opacus.accountants import RDPAccountant
+
+    delta = 1e-5
+    ours = planned_epsilon(z, rounds, delta)
+    opacus = RDPAccountant()
+    opacus.history = [(z, 1.0, rounds)]
+    assert ours == pytest.approx(opacus.get_epsilon(delta), rel=1e-3)
+    alphas = np.linspace(1.01, 400, 200_000)
+    classic = np.min(rounds * alphas / (2 * z**2) + math.log(1 / delta) / (alphas - 1))
+    assert ours <= classic + 1e-9
+    assert ours >= 0.5 * classic  # the same order: a broken accountant reporting ~0 would fail here
+    assert planned_epsilon(z, rounds + 1, delta) > ours
+    assert planned_epsilon(z * 1.5, rounds, delta) < ours
+
+
+def test_the_suggested_noise_and_rounds_meet_the_target():
+    target, delta = 4.0, 1e-5
+    z = min_noise_within(target, 20, delta)
+    assert planned_epsilon(z, 20, delta) <= target < planned_epsilon(z * 0.99, 20, delta)
+    r = max_rounds_within(target, 2.0, delta)
+    assert planned_epsilon(2.0, r, delta) <= target < planned_epsilon(2.0, r + 1, delta)
+
+
+def test_ledger_stops_before_the_round_that_would_exceed_the_target():
+    z, delta = 1.0, 1e-5
+    target = (planned_epsilon(z, 3, delta) + planned_epsilon(z, 4, delta)) / 2
+    cfg = ExperimentConfig.from_run_config(
+        {"dp": "site", "dp-noise-multiplier": z, "dp-target-epsilon": target, "num-rounds": 3}, check_paths=False
+    )
+    ledger = PrivacyLedger(cfg)
+    for rnd in range(1, 4):
+        assert ledger.allows_next_round()
+        assert ledger.after_round()["dp_epsilon"] == pytest.approx(planned_epsilon(z, rnd, delta))
+    assert not ledger.allows_next_round()
+
+
+# ----------------------------------------------------------------------------- bad run configs
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"dp": "site", "dp-noise-multiplier": 0.0}, r"'dp-noise-multiplier' = 0.0 is invalid: must be > 0"),
+        ({"dp": "site", "dp-noise-multiplier": -1.0}, r"'dp-noise-multiplier' = -1.0 is invalid: must be > 0"),
+        ({"dp": "site", "dp-noise-multiplier": float("inf")}, r"'dp-noise-multiplier' = inf .*finite"),
+        ({"dp": "site", "dp-clipping-norm": float("nan")}, r"'dp-clipping-norm' = nan .*finite"),
+        ({"dp": "server", "dp-clipping-norm": 0}, r"'dp-clipping-norm' = 0.0 is invalid: must be > 0"),
+        ({"dp": "site", "dp-delta": 1.0}, r"'dp-delta' = 1.0 is invalid: must be in \(0, 1\)"),
+        ({"dp": "laplace"}, r"'dp' = 'laplace' is invalid: valid choices are none, site, server"),
+        (
+            {"dp": "site", "strategy": "fedkei"},
+            r"'dp' = 'site' is invalid: strategy 'fedkei' cannot use it.*"
+            r"dp='site' works with fedavg, fedprox.*sgca",
+        ),
+        (
+            {"dp": "server", "strategy": "sgca"},
+            r"strategy 'sgca' cannot use it.*dp='server' works with fedavg, fedprox",
+        ),
+        ({"dp-target-epsilon": 2.0}, r"'dp-target-epsilon' = 2.0 is invalid: a target ε needs dp='site' or"),
+        (
+            {"dp": "site", "dp-target-epsilon": 5.0, "num-rounds": 10},
+            r"'dp-target-epsilon' = 5.0 is invalid: the plan spends ε = 19.1 at dp-delta = 1e-05 \(10 rounds at "
+            r"dp-noise-multiplier = 1\); within the target: dp-noise-multiplier >= 3\.\d+, or num-rounds <= 1",
+        ),
+    ],
+)
+def test_bad_privacy_config_is_refused_before_round_1(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        ExperimentConfig.from_run_config(overrides, check_paths=False)
+
+
+# ----------------------------------------------------------------------------- whole runs
+def test_site_mode_run_reports_epsilon_every_round_and_in_the_summary(tiny, caplog):
+    z = 2.0
+    config = tiny(**{"run-name": "dp-site", "dp": "site", "dp-noise-multiplier": z, "dp-clipping-norm": 0.5})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    run_dir = run_dir_of(config)
+    server = records(run_dir, "server")
+    assert [r["dp_epsilon"] for r in server] == pytest.approx([planned_epsilon(z, r, 1e-5) for r in (1, 2, 3)])
+    privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
+    assert privacy["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5)) and privacy["rounds"] == 3
+    assert privacy == summary["privacy"]
+    assert f"ε = {privacy['epsilon']:.3f}** at δ = 1e-05 after 3 rounds" in (run_dir / "summary.md").read_text()
+    assert "epsilon=" in caplog.text
+
+
+def test_server_mode_moves_the_model_by_at_most_the_clipping_norm(tiny):
+    config = tiny(
+        **{
+            "run-name": "dp-server",
+            "dp": "server",
+            "dp-noise-multiplier": 1e-9,
+            "dp-clipping-norm": 0.05,
+            "num-rounds": 2,
+            "lr": 0.5,
+        }
+    )
+    run_inprocess(config, num_nodes=3)
+    ckpt = run_dir_of(config) / "checkpoint"
+    first, second = (load_file(str(ckpt / f"round-00000{r}" / "arrays.safetensors")) for r in (1, 2))
+    step = update_norm(OrderedDict((k, second[k].astype(np.float64) - first[k]) for k in first))
+    assert 0.0 < step <= 0.05 + 1e-6  # the mean of three clipped updates (lr 0.5 moves each far beyond C)
+
+
+def test_resumed_run_goes_on_counting_epsilon(tiny):
+    z = 1.5
+    common = {"dp": "site", "dp-noise-multiplier": z}
+    part = tiny(**{"run-name": "dp-part", "num-rounds": 2, **common})
+    run_inprocess(part, num_nodes=2)
+    resumed = tiny(**{"run-name": "dp-resumed", "num-rounds": 3, "resume-from": str(run_dir_of(part)), **common})
+    summary, _ = run_inprocess(resumed, num_nodes=2)
+    assert summary["privacy"]["rounds"] == 3
+    assert summary["privacy"]["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5))
