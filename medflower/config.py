@@ -42,7 +42,7 @@ from .options import (
     positive,
     unit_interval_open_left,
 )
-from .privacy import DP_OPTIONS, check_privacy_config
+from .privacy import DP_OPTIONS, DP_SGD_OPTIONS, check_privacy_config
 from .strategies import STRATEGIES
 from .strategies.registry import strategies_with, strategies_with_dp
 from .strategies.server import FederatedStrategy
@@ -356,6 +356,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "replies",
     ),
     *DP_OPTIONS,
+    *DP_SGD_OPTIONS,
 )
 GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies", "privacy")
 GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
@@ -514,7 +515,8 @@ class ExperimentConfig:
             self,
             self.strategy,
             method.client_dp,
-            {mode: strategies_with_dp(mode) for mode in ("site", "server")},
+            method.dp_sgd,
+            {mode: strategies_with_dp(mode) for mode in ("site", "server", "dp-sgd")},
             self.num_rounds,
         )
         if check_paths:

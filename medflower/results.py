@@ -110,6 +110,8 @@ class RunRecorder:
             parts += [f"{m}={s[m]:.3f}" for m in POOLED if isinstance(s.get(m), (int, float))]
             if isinstance(s.get("dp_epsilon"), (int, float)):
                 parts.append(f"epsilon={s['dp_epsilon']:.3f} (delta={s['dp_delta']:g})")
+            if isinstance(s.get("dp_sgd_epsilon"), (int, float)):
+                parts.append(f"dp-sgd epsilon<={s['dp_sgd_epsilon']:.3f} (delta={s['dp_delta']:g})")
             if s.get("num_failed") or s.get("num_rejected"):
                 parts.append(f"failed={s['num_failed']} rejected={s['num_rejected']}")
         return f"mean over {len(evals)} clients: " + " ".join(parts)
@@ -177,14 +179,24 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def privacy_line(privacy: Mapping) -> str:
-    """summary.md's line for a run with dp."""
+def privacy_lines(privacy: Mapping[str, Any]) -> list[str]:
+    """summary.md's lines for a run with dp or dp-sgd (docs/privacy.md#accounting)."""
+    lines = []
     target = f", target {privacy['target_epsilon']:g}" if privacy.get("target_epsilon") else ""
-    return (
-        f"Differential privacy (dp='{privacy['dp']}', noise multiplier {privacy['noise_multiplier']:g}, clipping "
-        f"norm {privacy['clipping_norm']:g}): **ε = {privacy['epsilon']:.3f}** at δ = {privacy['delta']:g} after "
-        f"{privacy['rounds']} rounds{target} ({privacy['accountant']})."
-    )
+    if level := privacy.get("client_level"):
+        lines.append(
+            f"Client-level differential privacy (dp='{level['dp']}', noise multiplier {level['noise_multiplier']:g}, "
+            f"clipping norm {level['clipping_norm']:g}): **ε = {level['epsilon']:.3f}** at δ = {privacy['delta']:g} "
+            f"after {level['rounds']} rounds{target} ({level['accountant']})."
+        )
+    if sgd := privacy.get("dp_sgd"):
+        per_site = ", ".join(f"{site} {eps:.3f}" for site, eps in sgd["epsilon_per_site"].items())
+        lines.append(
+            f"DP-SGD (noise multiplier {sgd['noise_multiplier']:g}, per-sample gradient norm "
+            f"{sgd['max_grad_norm']:g}): **ε ≤ {sgd['epsilon']:.3f}** at δ = {privacy['delta']:g}{target}, per site: "
+            f"{per_site or 'none reported'} ({sgd['accountant']})."
+        )
+    return lines
 
 
 class RunReport:
@@ -220,7 +232,7 @@ class RunReport:
             "",
             f"{summary['rounds']} {self.unit}, {summary['wall_time_s']} s.",
             "",
-            *([privacy_line(summary["privacy"]), ""] if summary.get("privacy") else []),
+            *(line for text in privacy_lines(summary.get("privacy") or {}) for line in (text, "")),
             *self.sections(summary),
             "| client | " + " | ".join(metrics) + " |",
             "|---|" + "---|" * len(metrics),

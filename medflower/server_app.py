@@ -16,6 +16,7 @@ from .config import ConfigError, ExperimentConfig
 from .data import describe_source
 from .data.partition import check_partition_supported
 from .models import build_model
+from .privacy import check_dp_sgd_model
 from .results import RunRecorder, safe_name
 from .strategies.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 
@@ -67,7 +68,9 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     recorder = RunRecorder(run_dir)
     method = cfg.strategy_class
     model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
-    initial = build_model(model_spec, method.model_classes(num_classes)).get_trainable()
+    model = build_model(model_spec, method.model_classes(num_classes))
+    check_dp_sgd_model(cfg, model)  # before round 1: every trainable layer needs Opacus's per-sample gradients
+    initial = model.get_trainable()
     strategy = method(cfg, recorder, initial, num_classes)
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))

@@ -7,13 +7,23 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+import torch
 from conftest import records, run_dir_of
 from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
 from medflower.config import ConfigError, ExperimentConfig
 from medflower.inprocess import run_inprocess
-from medflower.privacy import PrivacyLedger, clipped, noised_mean, privatise_train_reply, privatise_update, update_norm
+from medflower.privacy import (
+    PrivacyLedger,
+    PrivateTraining,
+    clipped,
+    dp_sgd_epsilon,
+    noised_mean,
+    privatise_train_reply,
+    privatise_update,
+    update_norm,
+)
 from medflower.privacy.accounting import max_rounds_within, min_noise_within, planned_epsilon
 from medflower.strategies.records import from_record, to_record
 
@@ -140,7 +150,7 @@ def test_ledger_stops_before_the_round_that_would_exceed_the_target():
     ledger = PrivacyLedger(cfg)
     for rnd in range(1, 4):
         assert ledger.allows_next_round()
-        assert ledger.after_round()["dp_epsilon"] == pytest.approx(planned_epsilon(z, rnd, delta))
+        assert ledger.after_round({})["dp_epsilon"] == pytest.approx(planned_epsilon(z, rnd, delta))
     assert not ledger.allows_next_round()
 
 
@@ -164,7 +174,17 @@ def test_ledger_stops_before_the_round_that_would_exceed_the_target():
             {"dp": "server", "strategy": "sgca"},
             r"strategy 'sgca' cannot use it.*dp='server' works with fedavg, fedprox",
         ),
-        ({"dp-target-epsilon": 2.0}, r"'dp-target-epsilon' = 2.0 is invalid: a target ε needs dp='site' or"),
+        (
+            {"dp-target-epsilon": 2.0},
+            r"'dp-target-epsilon' = 2.0 is invalid: a target ε needs dp='site', dp='server' or dp-sgd",
+        ),
+        (
+            {"dp-sgd": True, "strategy": "fedbkd"},
+            r"'dp-sgd' = True is invalid: strategy 'fedbkd' cannot use it.*"
+            r"dp-sgd works with fedavg, fedprox, local",
+        ),
+        ({"dp-sgd": True, "dp-sgd-max-grad-norm": 0.0}, r"'dp-sgd-max-grad-norm' = 0.0 is invalid: must be > 0"),
+        ({"dp-sgd": True, "dp-sgd-noise-multiplier": float("nan")}, r"'dp-sgd-noise-multiplier' = nan .*finite"),
         (
             {"dp": "site", "dp-target-epsilon": 5.0, "num-rounds": 10},
             r"'dp-target-epsilon' = 5.0 is invalid: the plan spends ε = 19.1 at dp-delta = 1e-05 \(10 rounds at "
@@ -186,9 +206,10 @@ def test_site_mode_run_reports_epsilon_every_round_and_in_the_summary(tiny, capl
     server = records(run_dir, "server")
     assert [r["dp_epsilon"] for r in server] == pytest.approx([planned_epsilon(z, r, 1e-5) for r in (1, 2, 3)])
     privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
-    assert privacy["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5)) and privacy["rounds"] == 3
     assert privacy == summary["privacy"]
-    assert f"ε = {privacy['epsilon']:.3f}** at δ = 1e-05 after 3 rounds" in (run_dir / "summary.md").read_text()
+    level = privacy["client_level"]
+    assert level["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5)) and level["rounds"] == 3
+    assert f"ε = {level['epsilon']:.3f}** at δ = 1e-05 after 3 rounds" in (run_dir / "summary.md").read_text()
     assert "epsilon=" in caplog.text
 
 
@@ -217,5 +238,102 @@ def test_resumed_run_goes_on_counting_epsilon(tiny):
     run_inprocess(part, num_nodes=2)
     resumed = tiny(**{"run-name": "dp-resumed", "num-rounds": 3, "resume-from": str(run_dir_of(part)), **common})
     summary, _ = run_inprocess(resumed, num_nodes=2)
-    assert summary["privacy"]["rounds"] == 3
-    assert summary["privacy"]["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5))
+    assert summary["privacy"]["client_level"]["rounds"] == 3
+    assert summary["privacy"]["client_level"]["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5))
+
+
+# ----------------------------------------------------------------------------- DP-SGD
+def test_dp_sgd_step_is_the_mean_of_clipped_per_sample_gradients_plus_the_extra_term():
+    """θ ← θ − lr·(Σ_i clip_C(∇ℓ_i)/B + ∇extra), with the per-sample gradients computed one sample at a time here."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    x, y = torch.randn(5, 4) * 3, torch.tensor([0, 1, 2, 1, 0])
+    anchor = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    expected_grad = [torch.zeros_like(p) for p in params]
+    for i in range(5):
+        loss_i = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        grads = torch.autograd.grad(loss_i, params)
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        for acc, g in zip(expected_grad, grads):
+            acc += g * min(1.0, 0.3 / norm.item()) / 5
+    mu = 0.7  # FedProx-style term: touches no sample
+    for acc, (n, p) in zip(expected_grad, model.named_parameters()):
+        acc += mu * (p.detach() - anchor[n])
+    private = PrivateTraining(noise_multiplier=1e-9, max_grad_norm=0.3)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=5)
+    net, opt, _ = private.attach(model, torch.optim.SGD(params, lr=1.0), loader, torch.device("cpu"))
+    task = torch.nn.functional.cross_entropy(net(x), y)
+    extra = 0.5 * mu * sum(((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
+    private.step(opt, task, extra, params)
+    private.close()
+    for p, b, g in zip(params, before, expected_grad):
+        assert torch.allclose(p.detach(), b - g, atol=1e-6)
+    assert private.steps == 1 and private.sample_rate == 1.0
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())  # hooks gone
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"adapter": "ia3"}, r"ia3_l.default \(torch.nn.modules.container.ParameterDict\)"),
+        ({"backbone": "resnet18", "adapter": "full"}, "BatchNorm"),
+    ],
+)
+def test_dp_sgd_refuses_models_without_per_sample_gradients(tiny, overrides, named):
+    config = tiny(**{"run-name": "dp-sgd-bad", "dp-sgd": True, **overrides})
+    with pytest.raises(
+        ConfigError, match=rf"'dp-sgd' = True is invalid: Opacus computes no per-sample gradient.*{named}"
+    ):
+        run_inprocess(config, num_nodes=2)
+
+
+def test_dp_sgd_run_reports_each_sites_epsilon(tiny, caplog):
+    z, batch = 1.2, 32
+    config = tiny(**{"run-name": "dp-sgd", "dp-sgd": True, "dp-sgd-noise-multiplier": z, "num-rounds": 2})
+    summary, _ = run_inprocess(config, num_nodes=2)
+    train = records(run_dir_of(config), "train")
+    for r in train:
+        n = r["num-examples"]
+        batches = math.ceil(n / batch)
+        assert r["dp_sgd_epsilon"] == pytest.approx(dp_sgd_epsilon(z, 1 / batches, r["round"] * batches, 1e-5))
+    server = records(run_dir_of(config), "server")
+    assert server[-1]["dp_sgd_epsilon"] == pytest.approx(max(r["dp_sgd_epsilon"] for r in train if r["round"] == 2))
+    sgd = summary["privacy"]["dp_sgd"]
+    assert set(sgd["epsilon_per_site"]) == {r["client"] for r in train}
+    assert "DP-SGD (noise multiplier 1.2" in (run_dir_of(config) / "summary.md").read_text()
+    assert "dp-sgd epsilon<=" in caplog.text
+    assert math.isfinite(summary["final"]["auc"])
+
+
+def test_dp_sgd_plan_beyond_the_target_is_refused_before_round_1(tiny):
+    config = tiny(**{"run-name": "dp-sgd-target", "dp-sgd": True, "dp-target-epsilon": 0.5, "num-rounds": 3})
+    with pytest.raises(ConfigError, match=r"'dp-target-epsilon' = 0.5 is invalid: with DP-SGD, site .* spends ε = "):
+        run_inprocess(config, num_nodes=2)
+    assert not (run_dir_of(config) / "metrics.jsonl").exists()  # nothing trained
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"adapter": "bottleneck"}, {"adapter": "full"}, {"dataset": "synthetic-seg", "partition": "iid"}],
+)
+def test_dp_sgd_supports_the_vit_adapters_and_the_segmenter(overrides):
+    """Every trainable parameter of these models gets a per-sample gradient from Opacus's hooks."""
+    import dataclasses
+
+    from opacus import GradSampleModule
+
+    from medflower.models import build_model
+    from medflower.privacy.dp_sgd import unsupported_layers
+
+    cfg = ExperimentConfig.from_run_config(
+        {"img-size": 16, "patch-size": 8, "backbone-weights": "none", **overrides}, check_paths=False
+    )
+    task = "segmentation" if "dataset" in overrides else "classification"
+    model = build_model(dataclasses.replace(cfg.model_spec(["a", "b"]), task=task), 2)
+    assert unsupported_layers(model, 16) == []
+    wrapped = GradSampleModule(model)
+    wrapped(torch.randn(3, 3, 16, 16)).float().sum().backward()
+    assert all(p.grad_sample.shape[0] == 3 for p in model.parameters() if p.requires_grad)
+    wrapped._close()

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import RecordDict
 
-from ..options import Option, bad, non_negative, one_of, positive
+from ..options import Option, non_negative, one_of, positive
 
 MODES = ("none", "site", "server")
 
@@ -179,78 +179,3 @@ def privatise_train_reply(
         )
     )
     return content
-
-
-# ----------------------------------------------------------------------------- the run config
-def check_privacy_config(
-    cfg, strategy_name: str, modes: tuple[str, ...], supported: dict[str, list[str]], rounds: int
-) -> None:
-    """Refuse, before round 1, a dp mode the strategy cannot use and a plan whose ε exceeds dp-target-epsilon."""
-    if cfg.dp == "none":
-        if cfg.dp_target_epsilon > 0:
-            raise bad("dp-target-epsilon", cfg.dp_target_epsilon, "a target ε needs dp='site' or dp='server'")
-        return
-    if cfg.dp not in modes:
-        able = "; ".join(f"dp={m!r} works with {', '.join(names)}" for m, names in supported.items() if names)
-        raise bad(
-            "dp",
-            cfg.dp,
-            f"strategy {strategy_name!r} cannot use it (docs/privacy.md#which-strategies-can-use-it); {able}",
-        )
-    if cfg.dp_target_epsilon > 0:
-        from .accounting import max_rounds_within, min_noise_within, planned_epsilon
-
-        epsilon = planned_epsilon(cfg.dp_noise_multiplier, rounds, cfg.dp_delta)
-        if epsilon > cfg.dp_target_epsilon:
-            raise bad(
-                "dp-target-epsilon",
-                cfg.dp_target_epsilon,
-                f"the plan spends ε = {epsilon:.3g} at dp-delta = {cfg.dp_delta:g} ({rounds} rounds at "
-                f"dp-noise-multiplier = {cfg.dp_noise_multiplier:g}); within the target: dp-noise-multiplier >= "
-                f"{min_noise_within(cfg.dp_target_epsilon, rounds, cfg.dp_delta):g}, or num-rounds <= "
-                f"{max_rounds_within(cfg.dp_target_epsilon, cfg.dp_noise_multiplier, cfg.dp_delta)}",
-            )
-
-
-# ----------------------------------------------------------------------------- the server's account
-class PrivacyLedger:
-    """The server's account of a run with ``dp``: ε after each round, the stop at the target, the checkpointed
-    state (so a resumed run goes on counting where it stopped)."""
-
-    def __init__(self, cfg):
-        from .accounting import ClientLevelAccountant  # the server only: the sites never account
-
-        self.cfg = cfg
-        self.accountant = ClientLevelAccountant(
-            cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_target_epsilon if cfg.dp_target_epsilon > 0 else None
-        )
-
-    def allows_next_round(self) -> bool:
-        return not self.accountant.next_round_exceeds()
-
-    def after_round(self) -> dict[str, float]:
-        """Count the round's release (every site that trained released its update once) and give the round's
-        record its ε."""
-        self.accountant.compose_round()
-        return {"dp_epsilon": self.accountant.epsilon(), "dp_delta": self.cfg.dp_delta}
-
-    def summary(self) -> dict[str, dict]:
-        cfg = self.cfg
-        return {
-            "privacy": {
-                "dp": cfg.dp,
-                "noise_multiplier": cfg.dp_noise_multiplier,
-                "clipping_norm": cfg.dp_clipping_norm,
-                "delta": cfg.dp_delta,
-                "epsilon": self.accountant.epsilon(),
-                "rounds": self.accountant.rounds,
-                "target_epsilon": cfg.dp_target_epsilon or None,
-                "accountant": "RDP (Flower's RdpAccountant over dp-accounting), no amplification by sampling",
-            }
-        }
-
-    def state_dict(self) -> dict:
-        return self.accountant.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.accountant.load_state_dict(state)

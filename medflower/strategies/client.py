@@ -32,6 +32,7 @@ from ..data import (
 )
 from ..data.roots import in_simulation
 from ..models import AdaptedModel, build_model
+from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
 from ..results import safe_name
 from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
 from .records import derive_seed, from_record, to_record
@@ -166,16 +167,32 @@ class ClientRuntime:
         model: torch.nn.Module | None = None,
     ) -> dict[str, float]:
         """``local-epochs`` of the site's training split on ``model`` (default: the site's model), seeded per site
-        and round."""
+        and round; with run-config dp-sgd, DP-SGD steps and the site's ε so far (``dp_sgd_epsilon``)."""
         torch.manual_seed(self.seed(2))
-        return train_epochs(
+        private = PrivateTraining.from_config(self.cfg)
+        metrics = train_epochs(
             self.model if model is None else model,
             self.loader("train", shuffle=True, batch_size=batch_size),
             epochs=self.cfg.local_epochs,
             optimizer=optimizer or self.optimizer(),
             device=self.device,
             extra_loss=extra_loss,
+            private=private,
         )
+        if private is not None:
+            metrics["dp_sgd_epsilon"] = self.account_dp_sgd(private)
+        return metrics
+
+    def account_dp_sgd(self, private: PrivateTraining) -> float:
+        """The site's DP-SGD steps so far (kept in its state, so a restarted site goes on counting) and their ε."""
+        from .checkpoint import PersonalState
+
+        state = PersonalState(self, key="dp-sgd")
+        before = state.load(before=self.round + 1)  # this round's earlier training calls count too
+        steps = int(before["steps"][0]) if before is not None else 0
+        steps += private.steps
+        state.save(self.round, {"steps": np.array([steps], dtype=np.int64)})
+        return dp_sgd_epsilon(private.noise_multiplier, private.sample_rate, steps, self.cfg.dp_delta)
 
     def evaluate_splits(
         self, splits: Iterable[str] = ("val", "test"), model: torch.nn.Module | None = None

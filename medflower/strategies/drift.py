@@ -123,6 +123,7 @@ class Scaffold(FederatedStrategy):
     name = "scaffold"
     client_half = ScaffoldClient
     trains_backbone = True
+    dp_sgd = True  # c_i is computed from the DP-trained parameters: post-processing
     options = (
         Option(
             "scaffold-global-lr",
@@ -204,6 +205,7 @@ class FedDyn(FederatedStrategy):
     client_half = FedDynClient
     trains_backbone = True
     client_dp = ("site",)  # h and θ are post-processing of the noised θ_i
+    dp_sgd = True
     options = (Option("feddyn-alpha", 0.01, "FedDyn regulariser alpha", positive, "feddyn"),)
 
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:

@@ -71,6 +71,7 @@ class FedAvg(FederatedStrategy):
     client_half = FedAvgClient
     trains_backbone = True
     client_dp = ("site", "server")
+    dp_sgd = True
 
 
 @register_strategy
@@ -115,6 +116,7 @@ class Local(FederatedStrategy):
     name = "local"
     client_half = LocalClient
     trains_backbone = True
+    dp_sgd = True
 
     def reply_spec(self, node_id: int) -> ArraySpec | None:
         return {}

@@ -51,5 +51,8 @@ def strategies_with(fact: str) -> list[str]:
 
 
 def strategies_with_dp(mode: str) -> list[str]:
-    """Names of the registered strategies whose exchange allows client-level DP ``mode`` (their ``client_dp``)."""
+    """Names of the registered strategies that allow client-level DP ``mode`` (their ``client_dp``), or DP-SGD
+    (``mode='dp-sgd'``: their ``dp_sgd``)."""
+    if mode == "dp-sgd":
+        return [name for name, cls in STRATEGIES.items() if cls.dp_sgd]
     return [name for name, cls in STRATEGIES.items() if mode in cls.client_dp]

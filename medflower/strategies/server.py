@@ -114,6 +114,9 @@ class FederatedStrategy:
     # training reply to update arrays the site received under the same names; 'server' needs the default
     # aggregation (one mean over the replies).
     client_dp: ClassVar[tuple[str, ...]] = ()
+    # Its sites train only through ClientRuntime.train_local with extra loss terms that touch no sample, so DP-SGD
+    # (run-config dp-sgd) can privatise every step (docs/privacy.md#sample-level-dp-sgd).
+    dp_sgd: ClassVar[bool] = False
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
@@ -149,7 +152,7 @@ class FederatedStrategy:
         self.stats = RoundStats()
         self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint", keep=cfg.keep_checkpoints)
         self.registry = SiteRegistry.load(cfg.site_registry) if cfg.site_registry else None
-        self.privacy = PrivacyLedger(cfg) if cfg.dp != "none" else None
+        self.privacy = PrivacyLedger(cfg) if cfg.dp != "none" or cfg.dp_sgd else None
         self.setup(initial)
 
     def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -418,7 +421,8 @@ class FederatedStrategy:
     def run(self, grid: Grid) -> None:
         """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
         self.wait_for_nodes(grid)
-        for rnd in range(self.completed_rounds + 1, self.total_rounds() + 1):
+        first = self.completed_rounds + 1
+        for rnd in range(first, self.total_rounds() + 1):
             if self.privacy is not None and not self.privacy.allows_next_round():
                 log(
                     WARNING,
@@ -434,6 +438,8 @@ class FederatedStrategy:
             self.federation_size = len(self.nodes)
             if not self.nodes:
                 raise RuntimeError(f"{self.round_label} {rnd}: no node answered; see the warnings above")
+            if self.privacy is not None and rnd == first:  # DP-SGD's plan per site, from the sizes they declared
+                self.privacy.check_sites({n.client: n.num_train for n in self.nodes.values()}, self.total_rounds())
             before = self.snapshot()
             self.run_round(grid, rnd)
             if problem := self.non_finite_state():
@@ -441,7 +447,8 @@ class FederatedStrategy:
                 log(WARNING, "[medflower] %s %d failed: %s; the previous model is kept", self.round_label, rnd, problem)
                 self.stats.extra["round_failed"] = problem
             if self.privacy is not None:
-                self.stats.extra.update(self.privacy.after_round())
+                trained = {r["client"]: r for r in self.recorder.records("train") if r["round"] == rnd}
+                self.stats.extra.update(self.privacy.after_round(trained))
             self.completed_rounds = rnd
             round_s = time.monotonic() - started
             self.elapsed_s += round_s

@@ -279,6 +279,7 @@ class SGCA(FederatedStrategy):
     client_half = SGCAClient
     options = OPTIONS
     client_dp = ("site",)  # W and each Θ̂_i are post-processing of the noised Θ_j
+    dp_sgd = True  # the cosine pull is a parameter-only term
 
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         cfg = self.cfg

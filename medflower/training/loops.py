@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..privacy.dp_sgd import PrivateTraining
 from .losses import one_hot_masks, task_loss
 from .metrics import CONFUSION, SegmentationScores, classification_metrics, confusion_counts, segmentation_scores
 
@@ -64,6 +65,7 @@ def train_epochs(
     extra_loss: ExtraLoss | None = None,
     after_epoch: Callable[[int], None] | None = None,
     param_groups: list[dict] | None = None,
+    private: PrivateTraining | None = None,
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
     segmentation) plus ``extra_loss``; returns mean loss and steps.
@@ -71,30 +73,45 @@ def train_epochs(
     ``after_epoch(e)`` runs after epoch e (1-based) with the optimizer state kept across epochs
     (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
     ``param_groups`` (torch's dicts, e.g. a learning rate per group) replaces "every parameter that requires grad".
+    ``private`` (run-config dp-sgd): DP-SGD steps on Poisson-sampled batches (medflower/privacy/dp_sgd.py).
     """
     task = getattr(model, "task", "classification")
     model.to(device)
-    opt = optimizer.build(param_groups or [p for p in model.parameters() if p.requires_grad])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer.build(param_groups or params)
+    net = model
+    if private is not None:
+        net, opt, loader = private.attach(model, opt, loader, device)
     total, steps, seen = 0.0, 0, 0
-    for epoch in range(1, epochs + 1):
-        model.train()  # after_epoch may have evaluated in eval mode
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device):
-                logits = model(x)
-                loss = task_loss(task, logits, y)
-                if extra_loss is not None:
-                    loss = loss + extra_loss(model, logits, y)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(y)
-            seen += len(y)
-            steps += 1
-        if after_epoch is not None:
-            after_epoch(epoch)
+    try:
+        for epoch in range(1, epochs + 1):
+            model.train()  # after_epoch may have evaluated in eval mode
+            for x, y in loader:
+                if len(y) == 0:  # an empty Poisson batch: no update, so nothing is released
+                    private.steps += 1
+                    continue
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with autocast(device):
+                    logits = net(x)
+                    loss = task_loss(task, logits, y)
+                    extra = extra_loss(model, logits, y) if extra_loss is not None else None
+                whole = loss if extra is None else loss + extra
+                if not math.isfinite(whole.item()):
+                    raise FloatingPointError(f"training loss became {whole.item()} at step {steps}; lower lr")
+                if private is not None:
+                    private.step(opt, loss, extra, params)
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    whole.backward()
+                    opt.step()
+                total += whole.item() * len(y)
+                seen += len(y)
+                steps += 1
+            if after_epoch is not None:
+                after_epoch(epoch)
+    finally:
+        if private is not None:
+            private.close()
     return {"train_loss": total / max(seen, 1), "train_steps": float(steps)}
 
 
