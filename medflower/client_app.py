@@ -15,10 +15,12 @@ from flwr.common.logger import log
 
 from .config import ExperimentConfig
 from .privacy import privatise_train_reply
+from .privacy.secagg import secagg_mod
 from .strategies import STRATEGIES
 from .strategies.client import ClientRuntime
 
-app = ClientApp()
+# SecAgg+ rounds (run-config secagg) go through Flower's secaggplus_mod; every other message passes the mod untouched.
+app = ClientApp(mods=[secagg_mod])
 
 
 class SiteError(RuntimeError):

@@ -43,6 +43,7 @@ from .options import (
     unit_interval_open_left,
 )
 from .privacy import DP_OPTIONS, DP_SGD_OPTIONS, check_privacy_config
+from .privacy.secagg import SECAGG_OPTIONS, check_secagg_config
 from .strategies import STRATEGIES
 from .strategies.registry import strategies_with, strategies_with_dp
 from .strategies.server import FederatedStrategy
@@ -357,6 +358,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     ),
     *DP_OPTIONS,
     *DP_SGD_OPTIONS,
+    *SECAGG_OPTIONS,
 )
 GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies", "privacy")
 GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
@@ -519,6 +521,7 @@ class ExperimentConfig:
             {mode: strategies_with_dp(mode) for mode in ("site", "server", "dp-sgd")},
             self.num_rounds,
         )
+        check_secagg_config(self, self.strategy, method.secagg, strategies_with("secagg"))
         if check_paths:
             self.check_data_paths()
             if self.site_registry:

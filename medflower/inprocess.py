@@ -7,6 +7,7 @@ machinery. Flower ships no in-process Grid, so this small one implements its int
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections.abc import Callable, Iterable
 
@@ -74,8 +75,12 @@ class InProcessGrid(Grid):
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts or (self.drop and self.drop(node_id, message)):
                 continue
+            # Each node gets its own copy, as over the wire: a mod may change the records it receives (SecAgg+'s
+            # pops its stage), and one content object can be addressed to several nodes.
+            delivered = copy.copy(message)
+            delivered.content = copy.deepcopy(message.content)
             try:
-                replies.append(self.client_app(message, self.contexts[node_id]))
+                replies.append(self.client_app(delivered, self.contexts[node_id]))
             except Exception as err:  # the real runtime turns ClientApp exceptions into error replies
                 reason = "".join(traceback.format_exception_only(err)).strip()
                 replies.append(Message(Error(code=1, reason=reason), reply_to=message))

@@ -72,6 +72,7 @@ class FedAvg(FederatedStrategy):
     trains_backbone = True
     client_dp = ("site", "server")
     dp_sgd = True
+    secagg = True
 
 
 @register_strategy

@@ -117,6 +117,9 @@ class FederatedStrategy:
     # Its sites train only through ClientRuntime.train_local with extra loss terms that touch no sample, so DP-SGD
     # (run-config dp-sgd) can privatise every step (docs/privacy.md#sample-level-dp-sgd).
     dp_sgd: ClassVar[bool] = False
+    # Its aggregate is the n_k-weighted mean of updates of arrays every site received alike, so Flower's SecAgg+ can
+    # hide the single updates (run-config secagg; ``aggregate_secure``).
+    secagg: ClassVar[bool] = False
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
@@ -489,17 +492,59 @@ class FederatedStrategy:
         selected = self.sample_nodes(rnd)
         contents = {n: self.train_content(rnd, n) for n in selected}
         self.stats.asked = len(contents)
-        replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
-        for reply in replies:
-            self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
-        started = time.monotonic()
-        if replies:
-            self.aggregate_train(rnd, replies)
+        if self.cfg.secagg:
+            self.secure_train(grid, rnd, contents)
         else:
-            log(WARNING, "[medflower] round %d: no valid training reply; the model is unchanged", rnd)
-        self.stats.aggregation_s += time.monotonic() - started
+            replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
+            for reply in replies:
+                self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
+            started = time.monotonic()
+            if replies:
+                self.aggregate_train(rnd, replies)
+            else:
+                log(WARNING, "[medflower] round %d: no valid training reply; the model is unchanged", rnd)
+            self.stats.aggregation_s += time.monotonic() - started
         contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
         self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd))
+
+    def secure_train(self, grid: Grid, rnd: int, contents: Mapping[int, RecordDict]) -> None:
+        """The training phase as Flower's SecAgg+ (medflower/privacy/secagg.py): only the n_k-weighted mean of the
+        sites' updates reaches ``aggregate_secure``. It is checked like a reply (names, shapes, finite, within
+        reply-value-limit); the sites' training metrics are logged, numbers only."""
+        from ..privacy.secagg import protocol_bytes, secure_mean_update
+
+        def count(content: RecordDict, down: bool) -> None:
+            size = record_bytes(content) + protocol_bytes(content)
+            if down:
+                self.stats.bytes_down += size
+            else:
+                self.stats.bytes_up += size
+
+        cap = max(self.nodes[n].num_train for n in contents if n in self.nodes)
+        mean, results = secure_mean_update(grid, rnd, contents, float(max(cap, 1)), self.cfg, count)
+        for node_id, fitres in results:
+            metrics = {k: float(v) for k, v in fitres.metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
+            self.recorder.log_client(rnd, self.client_name(node_id), "train", metrics)
+        self.stats.extra["secagg_sites"] = len(results)
+        started = time.monotonic()
+        spec = self.reply_spec(next(iter(contents)))
+        if mean is not None and list(mean) == list(spec):  # dequantised in float64: back to the arrays' dtypes
+            mean = OrderedDict((k, np.asarray(v, dtype=spec[k][1])) for k, v in mean.items())
+        problem = "the protocol halted (too few sites answered)" if mean is None else validate_arrays(mean, spec)
+        if problem is None and any(np.abs(v).max(initial=0) > self.cfg.reply_value_limit for v in mean.values()):
+            problem = f"a value beyond reply-value-limit = {self.cfg.reply_value_limit:g}"
+        if problem:
+            log(WARNING, "[medflower] round %d: SecAgg+ gave no usable sum: %s; the model is unchanged", rnd, problem)
+            self.stats.failed.append(f"secagg: {problem}")
+        else:
+            self.aggregate_secure(rnd, mean)
+        self.stats.aggregation_s += time.monotonic() - started
+
+    def aggregate_secure(self, rnd: int, mean_update: Mapping[str, np.ndarray]) -> None:
+        """With secagg: the global arrays plus the sites' n_k-weighted mean update."""
+        self.global_arrays = OrderedDict(
+            (k, np.asarray(v + mean_update[k], dtype=v.dtype)) for k, v in self.global_arrays.items()
+        )
 
     def record_evaluation(self, rnd: int, replies: list[Reply]) -> None:
         """Log each site's evaluation and put the pooled metrics of the round into its server record.

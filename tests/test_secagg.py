@@ -1,0 +1,116 @@
+"""Secure aggregation (docs/privacy.md#secure-aggregation): Flower's SecAgg+ gives the same aggregate as the plain
+FedAvg round, the server receives no single update, a site dropping out in the middle of the protocol is unmasked
+from its neighbours' shares, and bad settings are refused with the key and what would work."""
+
+import numpy as np
+import pytest
+from conftest import records, run_dir_of
+from safetensors.numpy import load_file
+
+from medflower.config import ConfigError, ExperimentConfig
+from medflower.inprocess import InProcessGrid, run_inprocess
+
+STAGE = "stage"
+
+
+def _stage(message) -> str | None:
+    configs = message.content.config_records.get("secaggplus_configs")
+    return None if configs is None else configs.get(STAGE)
+
+
+def _arrays(config, rnd=1):
+    return load_file(str(run_dir_of(config) / "checkpoint" / f"round-{rnd:06d}" / "arrays.safetensors"))
+
+
+def test_secure_round_equals_the_plain_fedavg_round(tiny):
+    plain = tiny(**{"run-name": "plain", "num-rounds": 1})
+    secure = tiny(**{"run-name": "secure", "num-rounds": 1, "secagg": True})
+    run_inprocess(plain, num_nodes=3)
+    summary, _ = run_inprocess(secure, num_nodes=3)
+    a, b = _arrays(plain), _arrays(secure)
+    assert set(a) == set(b)
+    for k in a:  # the same n_k-weighted mean, up to SecAgg+'s quantisation (2^22 levels over ±8)
+        assert np.allclose(a[k], b[k], atol=2e-5), k
+    assert summary["communication"]["bytes_up"] > 0
+    assert [r["secagg_sites"] for r in records(run_dir_of(secure), "server")] == [3]
+    assert len(records(run_dir_of(secure), "train")) == 3  # each site's training metrics, numbers only
+
+
+def test_the_server_receives_masked_vectors_only(tiny, monkeypatch):
+    seen = []
+    original = InProcessGrid.send_and_receive
+
+    def spy(self, messages, *, timeout=None):
+        replies = list(original(self, messages, timeout=timeout))
+        seen.extend(replies)
+        return replies
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", spy)
+    run_inprocess(tiny(**{"run-name": "spy", "num-rounds": 1, "secagg": True}), num_nodes=3)
+    train = [m for m in seen if m.metadata.message_type == "train"]
+    assert len(train) == 12  # four stages, three sites
+    assert all(len(record) == 0 for m in train for record in m.content.array_records.values())
+
+
+def test_a_site_dropping_out_after_the_keys_are_shared_is_unmasked_by_the_others(tiny):
+    """Site 3 answers the setup and share-keys stages, then never sends its masked update: the sum of sites 1 and 2
+    is recovered and equals a plain round in which site 3 does not answer."""
+    secure = tiny(**{"run-name": "drop-secure", "num-rounds": 1, "secagg": True})
+    run_inprocess(secure, num_nodes=3, drop=lambda node, m: node == 3 and _stage(m) == "collect_masked_vectors")
+    plain = tiny(**{"run-name": "drop-plain", "num-rounds": 1})
+    run_inprocess(plain, num_nodes=3, drop=lambda node, m: node == 3 and m.metadata.message_type == "train")
+    a, b = _arrays(plain), _arrays(secure)
+    for k in a:
+        assert np.allclose(a[k], b[k], atol=2e-5), k
+    assert records(run_dir_of(secure), "server")[0]["secagg_sites"] == 2
+
+
+def test_too_many_dropouts_leave_the_model_unchanged_and_the_run_going(tiny):
+    config = tiny(**{"run-name": "drop-two", "num-rounds": 2, "secagg": True})
+    summary, _ = run_inprocess(
+        config, num_nodes=3, drop=lambda node, m: node in (2, 3) and _stage(m) == "collect_masked_vectors"
+    )
+    server = records(run_dir_of(config), "server")
+    assert summary["rounds"] == 2
+    assert all("secagg: the protocol halted" in r["failed"][0] for r in server)
+    first, second = _arrays(config, 1), _arrays(config, 2)
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def test_site_noise_and_secure_aggregation_together(tiny):
+    config = tiny(**{"run-name": "dp-secagg", "num-rounds": 2, "secagg": True, "dp": "site"})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    assert summary["privacy"]["client_level"]["rounds"] == 2
+    assert [r["secagg_sites"] for r in records(run_dir_of(config), "server")] == [3, 3]
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            {"secagg": True, "strategy": "sgca"},
+            r"'secagg' = True is invalid: strategy 'sgca' needs each site's "
+            r"update.*secagg works with fedavg, fedprox",
+        ),
+        ({"secagg": True, "dp": "server"}, r"'secagg' = True is invalid: dp='server' clips every site's update on the"),
+        (
+            {"secagg": True, "secagg-num-shares": 3, "secagg-reconstruction-threshold": 4},
+            r"'secagg-reconstruction-threshold' = 4 is invalid: is more than secagg-num-shares = 3",
+        ),
+        ({"secagg": True, "secagg-reconstruction-threshold": 1}, r"'secagg-reconstruction-threshold' = 1 .*>= 2"),
+        ({"secagg": True, "secagg-clipping-range": 0.0}, r"'secagg-clipping-range' = 0.0 is invalid: must be > 0"),
+    ],
+)
+def test_bad_secagg_config_is_refused_before_round_1(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        ExperimentConfig.from_run_config(overrides, check_paths=False)
+
+
+def test_fewer_sites_than_the_threshold_is_refused_at_the_round(tiny):
+    config = tiny(**{"run-name": "few", "secagg": True, "secagg-reconstruction-threshold": 3})
+    with pytest.raises(
+        ConfigError,
+        match=r"'secagg-reconstruction-threshold' = 3 is invalid: needs 3 sites but this "
+        r"round has 2",
+    ):
+        run_inprocess(config, num_nodes=2)
