@@ -142,3 +142,31 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     assert meta["completed_rounds"] == 2
     for name in ref:
         np.testing.assert_array_equal(ref[name], got[name])
+
+
+def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_path):
+    """SecAgg+ with real SuperNodes: supernode-2 is killed when the masked-vector stage of round 2 reaches it (its
+    9th message: query, then four SecAgg+ stages and an evaluation per round), after it shared its key shares. The
+    other two sites' shares unmask the sum, round 2 trains on two sites and the run finishes."""
+    out = tmp_path / "outputs"
+    run_dir = out / "secagg"
+    with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
+        fed.start_run(
+            {
+                **SMALL,
+                "num-rounds": 2,
+                "min-nodes": 3,
+                "round-timeout": 25.0,
+                "secagg": True,
+                "output-dir": str(out),
+                "run-name": "secagg",
+            }
+        )
+        received = fed.workdir / "supernode-2.log"
+        wait_for(lambda: received.read_text().count("Received successfully") >= 9, 400, "round 2's masked stage")
+        fed.stop(fed.supernodes["supernode-2"], signal.SIGKILL)
+        wait_for(lambda: (run_dir / "summary.json").is_file(), 400, "the run to finish")
+    server = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    secure = {r["round"]: r["secagg_sites"] for r in server if r["kind"] == "server"}
+    assert secure == {1: 3, 2: 2}, secure
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
