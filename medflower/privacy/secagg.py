@@ -180,7 +180,8 @@ def secure_mean_update(
     class SumOnly(Strategy):
         """The legacy strategy the workflow drives: the sites of this round; it keeps what the workflow returns."""
 
-        outcome: tuple[Any, list] = (None, [])
+        def __init__(self):
+            self.outcome: tuple[Any, list] = (None, [])
 
         def initialize_parameters(self, client_manager):
             return None
@@ -190,7 +191,7 @@ def secure_mean_update(
 
         def aggregate_fit(self, server_round, results, failures):
             mean = results[0][1].parameters if results else None
-            SumOnly.outcome = (mean, [(p.node_id, res) for p, res in results])
+            self.outcome = (mean, [(p.node_id, res) for p, res in results])
             return mean, {}
 
         def configure_evaluate(self, server_round, parameters, client_manager):
@@ -209,9 +210,10 @@ def secure_mean_update(
             MAIN_PARAMS_RECORD: ArrayRecord(),  # the workflow reads it; each site's content is in SumOnly
         }
     )
+    strategy = SumOnly()
     context = LegacyContext(
         Context(run_id=0, node_id=0, node_config={}, state=state, run_config={}),
-        strategy=SumOnly(),
+        strategy=strategy,
         client_manager=SimpleClientManager(),
     )
     workflow = SecAggPlusWorkflow(
@@ -221,9 +223,8 @@ def secure_mean_update(
         clipping_range=cfg.secagg_clipping_range,
         timeout=cfg.round_timeout,
     )
-    SumOnly.outcome = (None, [])
     workflow(_ByteCountingGrid(grid, count), context)
-    mean, results = SumOnly.outcome
+    mean, results = strategy.outcome
     if mean is None:
         return None, results
     return OrderedDict(zip(names, parameters_to_ndarrays(mean))), results

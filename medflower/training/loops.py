@@ -87,7 +87,7 @@ def train_epochs(
         for epoch in range(1, epochs + 1):
             model.train()  # after_epoch may have evaluated in eval mode
             for x, y in loader:
-                if len(y) == 0:  # an empty Poisson batch: no update, so nothing is released
+                if private is not None and len(y) == 0:  # an empty Poisson batch: no update, nothing released
                     private.steps += 1
                     continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
