@@ -249,6 +249,20 @@ def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+EPSILON_COLUMNS = {"epsilon_client": "ε client-level", "epsilon_dp_sgd": "ε DP-SGD (largest site)"}
+
+
+def privacy_epsilons(summary: dict[str, Any]) -> dict[str, float]:
+    """The ε a run spent (docs/privacy.md#accounting), by table column; none for a run without dp or dp-sgd."""
+    privacy = summary.get("privacy") or {}
+    found = {}
+    if level := privacy.get("client_level"):
+        found["epsilon_client"] = level["epsilon"]
+    if sgd := privacy.get("dp_sgd"):
+        found["epsilon_dp_sgd"] = sgd["epsilon"]
+    return found
+
+
 def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Mean ± std over seeds of each run's final metrics, plus communication per round."""
     table: dict[str, Any] = {}
@@ -270,6 +284,8 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             if plan.get("targets"):
                 for target, reached in rounds_to_targets(plan, run_records(plan, out_dir, run, seed)).items():
                     finals[f"rounds_to_{target}"].append(reached)
+            for column, epsilon in privacy_epsilons(summary).items():
+                finals[column].append(epsilon)
             rounds = max(summary["rounds"], 1)
             finals["bytes_per_round"].append(
                 (summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds
@@ -379,7 +395,9 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     seeds = plan["seeds"]
     targets = [str(t) for t in plan["targets"]["values"]] if plan.get("targets") else []
     target_heads = [f"rounds to {float(t):.0%}" for t in targets]
-    head = "| run | " + " | ".join(metrics + target_heads) + " | MB per round |"
+    epsilons = [c for c in EPSILON_COLUMNS if any(row.get(c) for row in table.values())]
+    epsilon_heads = [EPSILON_COLUMNS[c] for c in epsilons]
+    head = "| run | " + " | ".join(metrics + target_heads + epsilon_heads) + " | MB per round |"
     pooled = [m for m in metrics if m in POOLED]
     lines = [
         f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics"
@@ -387,7 +405,7 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
         + f"; {plan['num-supernodes']} sites.",
         "",
         head,
-        "|---|" + "---|" * (len(metrics) + len(targets) + 1),
+        "|---|" + "---|" * (len(metrics) + len(targets) + len(epsilons) + 1),
     ]
     if targets:
         target = plan["targets"]["metric"]
@@ -401,10 +419,19 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
             m, s = row[metric]["mean"], row[metric]["std"]
             cells.append("–" if m is None else f"{m:.3f} ± {s:.3f}")
         cells += [_rounds_cell(row[f"rounds_to_{t}"]["values"]) for t in targets]
+        cells += [_epsilon_cell(row.get(c), any(row.get(e) for e in epsilons)) for c in epsilons]
         mb = row["bytes_per_round"]["mean"]
         cells.append("–" if mb is None else f"{mb / 1e6:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _epsilon_cell(column: dict[str, Any] | None, private: bool) -> str:
+    """ε is a function of the plan (noise, sampling rate, steps), so seeds agree on it: the mean only. A run with
+    no DP at all reads ∞; one with the other kind of DP reads – (client-level ε also bounds each image's)."""
+    if column and column["mean"] is not None:
+        return f"{column['mean']:.3g}"
+    return "–" if private else "∞ (no DP)"
 
 
 def per_client_markdown(

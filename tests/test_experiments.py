@@ -267,3 +267,30 @@ def test_an_in_process_experiment_keeps_no_sent_message_while_tests_can_read_the
     assert {m.metadata.message_type for m in grid.sent} >= {"train"} and summary["rounds"] == 2
     summary, grid = run_inprocess({**config, "run-name": "dropped"}, num_nodes=2, record_sent=False)
     assert grid.sent == [] and summary["rounds"] == 2
+
+
+def test_runs_with_dp_get_an_epsilon_column_and_runs_without_read_infinity():
+    from medflower.experiments import comparison_markdown, privacy_epsilons
+
+    site = {"privacy": {"delta": 1e-5, "client_level": {"epsilon": 12.34}}}
+    sgd = {"privacy": {"delta": 1e-5, "dp_sgd": {"epsilon": 3.21, "epsilon_per_site": {"a": 3.21, "b": 2.0}}}}
+    assert privacy_epsilons({"final": {}}) == {}
+    assert privacy_epsilons(site) == {"epsilon_client": 12.34}
+    assert privacy_epsilons(sgd) == {"epsilon_dp_sgd": 3.21}
+
+    def cell(mean):
+        return {"mean": mean, "std": 0.0, "values": [mean]}
+
+    table = {
+        "none": {"dice": cell(0.7), "bytes_per_round": cell(1e6)},
+        "site": {"dice": cell(0.1), "epsilon_client": cell(12.34), "bytes_per_round": cell(1e6)},
+        "sgd": {"dice": cell(0.5), "epsilon_dp_sgd": cell(3.21), "bytes_per_round": cell(1e6)},
+    }
+    lines = comparison_markdown({"metrics": ["dice"], "seeds": [0], "num-supernodes": 2}, table).splitlines()
+    assert lines[2] == "| run | dice | ε client-level | ε DP-SGD (largest site) | MB per round |"
+    assert lines[4] == "| none | 0.700 ± 0.000 | ∞ (no DP) | ∞ (no DP) | 1.000 |"
+    assert lines[5] == "| site | 0.100 ± 0.000 | 12.3 | – | 1.000 |"
+    assert lines[6] == "| sgd | 0.500 ± 0.000 | – | 3.21 | 1.000 |"
+    # a plan without DP keeps its table as it was
+    plain = comparison_markdown({"metrics": ["dice"], "seeds": [0], "num-supernodes": 2}, {"none": table["none"]})
+    assert "ε" not in plain

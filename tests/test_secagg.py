@@ -36,6 +36,29 @@ def test_secure_round_equals_the_plain_fedavg_round(tiny):
     assert len(records(run_dir_of(secure), "train")) == 3  # each site's training metrics, numbers only
 
 
+def test_a_sites_bad_training_metrics_are_dropped_and_its_masked_update_still_counts(tiny, monkeypatch):
+    """The metrics that come with SecAgg+'s FitRes are untrusted like any reply's: a name that would overwrite the
+    record's own fields is refused and logged as rejected; the round's sum is still applied."""
+    import flwr.compat.common.recorddict_compat as compat
+
+    original = compat.fitres_to_recorddict
+
+    def tampered(fitres, keep_input):
+        fitres.metrics["client"] = 7.0
+        return original(fitres, keep_input)
+
+    monkeypatch.setattr(compat, "fitres_to_recorddict", tampered)
+    plain = tiny(**{"run-name": "bad-metrics-plain", "num-rounds": 1})
+    secure = tiny(**{"run-name": "bad-metrics", "num-rounds": 1, "secagg": True})
+    run_inprocess(plain, num_nodes=3)
+    run_inprocess(secure, num_nodes=3)
+    assert records(run_dir_of(secure), "train") == []
+    server = records(run_dir_of(secure), "server")[0]
+    assert server["num_rejected"] == 3 and all("reserved" in r for r in server["rejected"])
+    a, b = _arrays(plain), _arrays(secure)
+    assert all(np.allclose(a[k], b[k], atol=2e-5) for k in a)
+
+
 def test_the_server_receives_masked_vectors_only(tiny, monkeypatch):
     seen = []
     original = InProcessGrid.send_and_receive
@@ -77,6 +100,40 @@ def test_too_many_dropouts_leave_the_model_unchanged_and_the_run_going(tiny):
     assert all(np.array_equal(first[k], second[k]) for k in first)
 
 
+def _first_only(condition):
+    """A drop rule true for the first message that meets ``condition`` only."""
+    seen = []
+
+    def rule(node, message):
+        if condition(node, message) and not seen:
+            seen.append(node)
+            return True
+        return False
+
+    return rule
+
+
+def test_lat_secure_rounds_equal_plain_lat_rounds_also_after_a_site_skipped_one(tiny):
+    """lat's Σ_j m_j Θ_j from SecAgg+'s sum: site 3 misses round 1, so in round 2 the sites hold different
+    aggregates Θ̂_j; the server adds Σ_j m_j Θ̂_j to the secure mean update and gets the plain round's result."""
+    common = {"num-rounds": 2, "strategy": "lat", "lat-layers": 1, "optimizer": "sgd"}  # Adam would amplify round
+    # 1's quantisation error (2e-5) through its normalised steps
+    secure = tiny(**{"run-name": "lat-secure", "secagg": True, **common})
+    plain = tiny(**{"run-name": "lat-plain", **common})
+    run_inprocess(secure, num_nodes=3, drop=_first_only(lambda n, m: n == 3 and _stage(m) == "collect_masked_vectors"))
+    run_inprocess(plain, num_nodes=3, drop=_first_only(lambda n, m: n == 3 and m.metadata.message_type == "train"))
+    assert [r["secagg_sites"] for r in records(run_dir_of(secure), "server")] == [2, 3]
+    for rnd in (1, 2):
+        a, b = _arrays(plain, rnd), _arrays(secure, rnd)
+        assert set(a) == set(b) and len(a) > 0
+        for k in a:
+            assert np.allclose(a[k], b[k], atol=5e-5), (rnd, k, np.abs(a[k] - b[k]).max(), np.abs(a[k]).max())
+    # the round-2 aggregate is not the same array on every site in round 1: site 3 kept the initial adapters
+    first = _arrays(secure, 1)
+    site3 = [k for k in first if k.startswith("client-2/")]
+    assert not site3 or not all(np.allclose(first[k], first[k.replace("client-2/", "client-0/")]) for k in site3)
+
+
 def test_site_noise_and_secure_aggregation_together(tiny):
     config = tiny(**{"run-name": "dp-secagg", "num-rounds": 2, "secagg": True, "dp": "site"})
     summary, _ = run_inprocess(config, num_nodes=3)
@@ -90,7 +147,7 @@ def test_site_noise_and_secure_aggregation_together(tiny):
         (
             {"secagg": True, "strategy": "sgca"},
             r"'secagg' = True is invalid: strategy 'sgca' needs each site's "
-            r"update.*secagg works with fedavg, fedprox",
+            r"update.*secagg works with fedavg, fedprox, lat",
         ),
         ({"secagg": True, "dp": "server"}, r"'secagg' = True is invalid: dp='server' clips every site's update on the"),
         (
@@ -98,6 +155,7 @@ def test_site_noise_and_secure_aggregation_together(tiny):
             r"'secagg-reconstruction-threshold' = 4 is invalid: is more than secagg-num-shares = 3",
         ),
         ({"secagg": True, "secagg-reconstruction-threshold": 1}, r"'secagg-reconstruction-threshold' = 1 .*>= 2"),
+        ({"secagg": True, "max-client-share": 0.5}, r"'secagg' = True is invalid: max-client-share = 0.5 caps"),
         ({"secagg": True, "secagg-clipping-range": 0.0}, r"'secagg-clipping-range' = 0.0 is invalid: must be > 0"),
     ],
 )

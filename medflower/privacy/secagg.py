@@ -30,7 +30,7 @@ SECAGG_OPTIONS: tuple[Option, ...] = (
         "secagg",
         False,
         "Flower's SecAgg+ for the training sum: the server learns only the n_k-weighted sum of the sites' updates "
-        "(fedavg, fedprox); docs/privacy.md#secure-aggregation",
+        "(fedavg, fedprox, lat); docs/privacy.md#secure-aggregation",
         None,
         "privacy",
     ),
@@ -81,6 +81,13 @@ def check_secagg_config(cfg, strategy_name: str, able: bool, supported: list[str
             True,
             "dp='server' clips every site's update on the server, which SecAgg+ hides from it; use dp='site' "
             "(each site clips and noises its own update before it is masked)",
+        )
+    if cfg.max_client_share < 1:
+        raise bad(
+            "secagg",
+            True,
+            f"max-client-share = {cfg.max_client_share:g} caps each site's weight, which SecAgg+ hides from the "
+            "server; use max-client-share = 1 with secagg",
         )
     if cfg.secagg_num_shares == 1:
         raise bad("secagg-num-shares", 1, "a site's secrets need at least 2 shares (0 = every site of the round)")

@@ -74,7 +74,11 @@ def check_info(content: RecordDict) -> dict[str, Any]:
 
 def check_metrics(content: RecordDict) -> dict[str, Any]:
     """Finite numbers or bounded lists of them, under names that do not overwrite a record's own fields."""
-    metrics = dict(content["metrics"]) if "metrics" in content else {}
+    return check_metric_values(dict(content["metrics"]) if "metrics" in content else {})
+
+
+def check_metric_values(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``check_metrics`` on metrics that arrived outside a medflower reply (SecAgg+'s FitRes)."""
     if len(metrics) > MAX_METRICS:
         raise RejectedReply(f"{len(metrics)} metrics, at most {MAX_METRICS}")
     for name, value in metrics.items():

@@ -36,7 +36,7 @@ from .records import (
     validate_arrays,
     weighted_mean,
 )
-from .replies import RejectedReply, check_reply, count_check
+from .replies import RejectedReply, check_metric_values, check_reply, count_check
 from .site_registry import SiteRegistry
 
 if TYPE_CHECKING:
@@ -510,7 +510,7 @@ class FederatedStrategy:
     def secure_train(self, grid: Grid, rnd: int, contents: Mapping[int, RecordDict]) -> None:
         """The training phase as Flower's SecAgg+ (medflower/privacy/secagg.py): only the n_k-weighted mean of the
         sites' updates reaches ``aggregate_secure``. It is checked like a reply (names, shapes, finite, within
-        reply-value-limit); the sites' training metrics are logged, numbers only."""
+        reply-value-limit); each site's training metrics are checked like a reply's before they are logged."""
         from ..privacy.secagg import protocol_bytes, secure_mean_update
 
         def count(content: RecordDict, down: bool) -> None:
@@ -523,8 +523,14 @@ class FederatedStrategy:
         cap = max(self.nodes[n].num_train for n in contents if n in self.nodes)
         mean, results = secure_mean_update(grid, rnd, contents, float(max(cap, 1)), self.cfg, count)
         for node_id, fitres in results:
-            metrics = {k: float(v) for k, v in fitres.metrics.items() if isinstance(v, (int, float)) and np.isfinite(v)}
-            self.recorder.log_client(rnd, self.client_name(node_id), "train", metrics)
+            # Untrusted like any reply's metrics; a bad set is dropped, but the site's masked update stays in the
+            # sum: SecAgg+ cannot take one site out of it (nor check its weight n_k, docs/privacy.md).
+            client = self.client_name(node_id)
+            try:
+                self.recorder.log_client(rnd, client, "train", check_metric_values(dict(fitres.metrics)))
+            except RejectedReply as exc:
+                log(WARNING, "[medflower] round %d: ignored the training metrics of %s: %s", rnd, client, exc)
+                self.stats.rejected.append(f"{client}: {exc}")
         self.stats.extra["secagg_sites"] = len(results)
         started = time.monotonic()
         spec = self.reply_spec(next(iter(contents)))
@@ -537,11 +543,11 @@ class FederatedStrategy:
             log(WARNING, "[medflower] round %d: SecAgg+ gave no usable sum: %s; the model is unchanged", rnd, problem)
             self.stats.failed.append(f"secagg: {problem}")
         else:
-            self.aggregate_secure(rnd, mean)
+            self.aggregate_secure(rnd, mean, [node_id for node_id, _ in results])
         self.stats.aggregation_s += time.monotonic() - started
 
-    def aggregate_secure(self, rnd: int, mean_update: Mapping[str, np.ndarray]) -> None:
-        """With secagg: the global arrays plus the sites' n_k-weighted mean update."""
+    def aggregate_secure(self, rnd: int, mean_update: Mapping[str, np.ndarray], sites: list[int]) -> None:
+        """With secagg: the global arrays plus the n_k-weighted mean update of ``sites`` (the nodes in the sum)."""
         self.global_arrays = OrderedDict(
             (k, np.asarray(v + mean_update[k], dtype=v.dtype)) for k, v in self.global_arrays.items()
         )

@@ -362,6 +362,24 @@ class LAT(SGCA):
 
     name = "lat"
     client_half = LATClient
+    secagg = True  # Σ_j m_j Θ_j needs only the sum of the sites' weighted updates
 
     def mixing_matrix(self, m: np.ndarray, thetas: np.ndarray) -> np.ndarray:
         return np.tile(m, (len(m), 1))
+
+    def aggregate_secure(self, rnd: int, mean_update: Mapping[str, np.ndarray], sites: list[int]) -> None:
+        """With secagg: Σ_j m_j Θ_j = Σ_j m_j Θ̂_j + Σ_j m_j (Θ_j − Θ̂_j) over the sites j in the sum, Θ̂_j what the
+        server sent j (known to it; sites that skipped rounds hold older aggregates), the second sum SecAgg+'s
+        n_k-weighted mean update; m_j = n_j / Σ n from the sizes the sites declared when they joined."""
+        sites = [n for n in sites if n in self.nodes]
+        if not sites:
+            return
+        m = np.array([self.nodes[n].num_train for n in sites], dtype=np.float64)
+        m /= m.sum()
+        sent = [self.aggregate_for(n) for n in sites]
+        mixed = OrderedDict(
+            (k, np.asarray(sum(w * a[k].astype(np.float64) for w, a in zip(m, sent)) + mean_update[k], dtype=v[1]))
+            for k, v in self.transmitted_spec.items()
+        )
+        for n in sites:
+            self.aggregates[self.client_name(n)] = mixed
