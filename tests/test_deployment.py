@@ -156,7 +156,9 @@ def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_pa
                 **SMALL,
                 "num-rounds": 2,
                 "min-nodes": 3,
-                "round-timeout": 25.0,
+                # each SecAgg+ stage starts a ClientApp process per site (~6 s of imports each, 3 at once on 2
+                # cores); 25 s halted every round when other work shared the cores
+                "round-timeout": 60.0,
                 "secagg": True,
                 "output-dir": str(out),
                 "run-name": "secagg",
