@@ -398,7 +398,7 @@ TRACED_CLIENT = '''"""medflower's ClientApp, each message's handler timed
 import json, os, time
 
 from flwr.clientapp import ClientApp
-from medflower.client_app import handle
+from medflower.site_app import handle
 
 app = ClientApp()
 LOG = {log!r}

@@ -1,61 +1,53 @@
-"""ClientApp: routes each message to the client half of the run's strategy.
+"""ClientApp (Flower's entry point on a site): routes each message to the site's app, here or in its worker.
 
-What a failing site sends back is redacted: the error's kind and the phase, never its message (which may name
-files, paths or label values). The full error goes to the site's own log; node-config ``share-error-detail=true``
-sends it to the server as well, for debugging.
+In a deployment Flower starts a fresh process for every message, so this module imports only Flower and the
+standard library; the site's app (``medflower/site_app.py``: the run's strategy, torch, timm, peft) runs in the
+site's long-lived worker process (``medflower/site_worker.py``), which keeps its imports, model and data between
+messages; node-config ``site-worker=false`` runs it in this process instead (docs/deployment.md#site-worker). In
+Flower's simulation engine and medflower's in-process grid the process already lives as long as the run, so the
+site's app runs here.
 """
 
 from __future__ import annotations
 
-from logging import ERROR
+import time
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.common.logger import log
 
-from .config import ExperimentConfig
-from .privacy import privatise_train_reply
-from .privacy.secagg import secagg_mod
-from .strategies import STRATEGIES
-from .strategies.client import ClientRuntime
+from . import profiling
+from .engine import in_simulation
+from .site_worker import forward, message_record, uses_worker
 
-# SecAgg+ rounds (run-config secagg) go through Flower's secaggplus_mod; every other message passes the mod untouched.
-app = ClientApp(mods=[secagg_mod])
+# The strategies' message actions beyond query/train/evaluate (their ``extra_actions``; tests/test_site_worker.py
+# checks this list against them, so that registering them does not import every strategy).
+EXTRA_ACTIONS = (("train", "fedkei_inner"),)
 
-
-class SiteError(RuntimeError):
-    """What the server learns of a failure on a site (its message is all that leaves the site)."""
+app = ClientApp()
 
 
-def shares_error_detail(context: Context) -> bool:
-    return str(context.node_config.get("share-error-detail", "false")).lower() in ("true", "1", "yes")
+def route(message: Message, context: Context) -> Message:
+    """The site app's reply to ``message``: from the site's worker in a deployment, else computed here."""
+    if not in_simulation() and uses_worker(context):
+        return forward(message, context)
+    return handle_here(message, context)
 
 
-def handle(message: Message, context: Context) -> Message:
-    """Build the site's runtime and call ``<category>`` or ``<action>`` on the method's client half."""
-    try:
-        cfg = ExperimentConfig.from_run_config(context.run_config, check_paths=False)
-        runtime = ClientRuntime.from_message(message, context, cfg)
-        half = cfg.strategy_class.client_half(runtime)
-        category, _, action = message.metadata.message_type.partition(".")
-        handler = getattr(half, action or category)
-        content = handler(message)
-        if message.metadata.message_type == "train":  # run-config dp: clip (and noise) the update before it leaves
-            content = privatise_train_reply(message.content, content, cfg)
-        return Message(content, reply_to=message)
-    except Exception as err:
-        kind = type(err).__name__
-        log(ERROR, "[medflower] %s failed on this site: %s: %s", message.metadata.message_type, kind, err, exc_info=err)
-        if shares_error_detail(context):
-            raise SiteError(f"{kind}: {err}") from err
-        raise SiteError(
-            f"{kind} in {message.metadata.message_type} (the message stays in the site's log; node-config "
-            "share-error-detail=true sends it)"
-        ) from None
+def handle_here(message: Message, context: Context) -> Message:
+    started = time.time()
+    with profiling.timed_message() as timings:
+        with profiling.phase("imports"):
+            from .site_app import app as site_app
+        try:
+            return site_app(message, context)
+        finally:
+            if profiling.enabled():
+                mode = "simulation" if in_simulation() else "process"
+                profiling.write(message_record(message, context, mode, started, time.time(), timings))
 
 
-app.query()(handle)
-app.train()(handle)
-app.evaluate()(handle)
-for _category, _action in sorted({a for s in STRATEGIES.values() for a in s.extra_actions}):
-    getattr(app, _category)(_action)(handle)
+app.query()(route)
+app.train()(route)
+app.evaluate()(route)
+for _category, _action in EXTRA_ACTIONS:
+    getattr(app, _category)(_action)(route)

@@ -14,9 +14,9 @@ import pytest
 from conftest import TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from medflower.client_app import SiteError, handle
 from medflower.config import ConfigError, defaults
 from medflower.inprocess import run_inprocess
+from medflower.site_app import SiteError, handle
 from medflower.strategies import STRATEGIES
 from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.records import capped_shares, record_bytes

@@ -16,23 +16,17 @@ datasets name no path. See docs/data.md#data-roots.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
 
+from ..engine import SIMULATION_CALLERS, in_simulation  # noqa: F401 (re-exported)
 from . import segfolder
 from .sources import medmnist_path, open_source_by_key, source_key
 from .spec import ARGLESS_KINDS, DataError, DataSpec, list_rows
 
 ROOTS_KEY = "data-roots"
 ROOTS_ENV = "MEDFLOWER_DATA_ROOTS"
-# (module, class, method) whose frame is on the stack while a simulated site handles a message: Flower's
-# simulation engine (a Ray actor of the Virtual Client Engine) and medflower's in-process grid.
-SIMULATION_CALLERS = (
-    ("flwr.simulation.ray_transport.ray_actor", "VirtualClientEngineActor", "run"),
-    ("medflower.inprocess", "InProcessGrid", "send_and_receive"),
-)
 
 
 def data_roots(node_config: Mapping) -> tuple[str, ...] | None:
@@ -40,23 +34,6 @@ def data_roots(node_config: Mapping) -> tuple[str, ...] | None:
     raw = str(node_config.get(ROOTS_KEY) or "").strip() or os.environ.get(ROOTS_ENV, "")
     roots = tuple(dict.fromkeys(os.path.realpath(os.path.expanduser(r.strip())) for r in raw.split(",") if r.strip()))
     return roots or None
-
-
-def in_simulation() -> bool:
-    """True while a simulated site handles a message (Flower's simulation engine or medflower's in-process grid):
-    one of ``SIMULATION_CALLERS`` is on the calling stack. A module that is not imported is not running."""
-    codes = set()
-    for module_name, class_name, method in SIMULATION_CALLERS:
-        module = sys.modules.get(module_name)
-        function = getattr(getattr(module, class_name, None), method, None)
-        if function is not None and hasattr(function, "__code__"):
-            codes.add(function.__code__)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def is_below(path: str | Path, roots: Iterable[str]) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from .. import profiling
 from ..data import (
     ClientData,
     DataError,
@@ -34,7 +35,7 @@ from ..data.roots import in_simulation
 from ..models import AdaptedModel, build_model
 from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
 from ..results import safe_name
-from ..training import OptimizerSpec, evaluate, pick_device, train_epochs
+from ..training import DeviceError, OptimizerSpec, evaluate, pick_device, train_epochs
 from .records import derive_seed, from_record, to_record
 
 if TYPE_CHECKING:
@@ -92,6 +93,10 @@ class ClientRuntime:
 
     @functools.cached_property
     def data(self) -> ClientData:
+        with profiling.phase("data"):
+            return self._load_data()
+
+    def _load_data(self) -> ClientData:
         """The site's data. Its own ``data-path``: all of it, labels mapped onto the run's classes (run-config
         class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
         data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
@@ -126,7 +131,8 @@ class ClientRuntime:
         spec = dataclasses.replace(
             self.cfg.model_spec(self.data.class_names), **{"task": self.data.task, **self.model_overrides}
         )
-        return _cached_model(spec, num_classes)
+        with profiling.phase("model"):
+            return _cached_model(spec, num_classes)
 
     @property
     def model(self) -> AdaptedModel:
@@ -139,7 +145,24 @@ class ClientRuntime:
 
     @functools.cached_property
     def device(self) -> torch.device:
-        return pick_device(self.cfg.device)
+        """node-config ``device`` (this SuperNode's choice, e.g. ``cuda:1``), else run-config ``device``; one this site
+        lacks is refused with a DeviceError naming the node and the devices it has (docs/deployment.md#devices)."""
+        name = self.context.node_config.get("device") or self.cfg.device
+        try:
+            return pick_device(str(name))
+        except DeviceError as err:
+            node = self.context.node_config.get("site-name") or f"partition {self.partition_id}"
+            raise DeviceError(f"node {self.context.node_id} ({node}): {err}") from None
+
+    def loader_options(self, shuffle: bool) -> dict[str, Any]:
+        """On CUDA: pinned batches, and node-config ``loader-workers`` worker processes (default min(4, cores - 1))
+        for loaders that draw no augmentation (a worker would repeat another's draws); single-process elsewhere."""
+        if self.device.type != "cuda":
+            return {}
+        default = max(min(4, (os.cpu_count() or 1) - 1), 0)
+        workers = int(self.context.node_config.get("loader-workers", default))
+        augmented = shuffle and bool(getattr(self.data.train, "augment", ""))
+        return {"pin_memory": True, "workers": 0 if augmented else max(workers, 0)}
 
     @property
     def client(self) -> str:
@@ -152,7 +175,10 @@ class ClientRuntime:
         return derive_seed(self.cfg.seed, self.round, self.partition_id, purpose)
 
     def loader(self, split: str, shuffle: bool = False, batch_size: int | None = None) -> torch.utils.data.DataLoader:
-        return make_loader(getattr(self.data, split), batch_size or self.cfg.batch_size, shuffle, self.seed(1))
+        dataset = getattr(self.data, split)
+        return make_loader(
+            dataset, batch_size or self.cfg.batch_size, shuffle, self.seed(1), **self.loader_options(shuffle)
+        )
 
     def optimizer(self) -> OptimizerSpec:
         """The run's optimizer at this round's learning rate, lr * lr-decay^(round-1)."""
@@ -170,15 +196,17 @@ class ClientRuntime:
         and round; with run-config dp-sgd, DP-SGD steps and the site's ε so far (``dp_sgd_epsilon``)."""
         torch.manual_seed(self.seed(2))
         private = PrivateTraining.from_config(self.cfg)
-        metrics = train_epochs(
-            self.model if model is None else model,
-            self.loader("train", shuffle=True, batch_size=batch_size),
-            epochs=self.cfg.local_epochs,
-            optimizer=optimizer or self.optimizer(),
-            device=self.device,
-            extra_loss=extra_loss,
-            private=private,
-        )
+        with profiling.phase("train"):
+            metrics = train_epochs(
+                self.model if model is None else model,
+                self.loader("train", shuffle=True, batch_size=batch_size),
+                epochs=self.cfg.local_epochs,
+                optimizer=optimizer or self.optimizer(),
+                device=self.device,
+                extra_loss=extra_loss,
+                private=private,
+                precision=self.cfg.precision,
+            )
         if private is not None:
             metrics["dp_sgd_epsilon"] = self.account_dp_sgd(private)
         return metrics
@@ -207,14 +235,16 @@ class ClientRuntime:
         for split in splits:
             if len(getattr(self.data, split)) == 0:
                 continue
-            metrics = evaluate(
-                self.model if model is None else model,
-                self.loader(split),
-                self.device,
-                self.data.class_names,
-                confusion=split == "test" and not self.cfg.site_dataset_list,
-                empty_masks=self.cfg.empty_masks,
-            )
+            with profiling.phase("evaluate"):
+                metrics = evaluate(
+                    self.model if model is None else model,
+                    self.loader(split),
+                    self.device,
+                    self.data.class_names,
+                    confusion=split == "test" and not self.cfg.site_dataset_list,
+                    empty_masks=self.cfg.empty_masks,
+                    precision=self.cfg.precision,
+                )
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
         return out
 
