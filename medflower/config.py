@@ -341,7 +341,21 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         one_of("skip", "one"),
         "train",
     ),
-    Option("device", "auto", "auto = cuda, then mps, then cpu", one_of("auto", "cpu", "cuda", "mps"), "train"),
+    Option(
+        "device",
+        "auto",
+        "auto = cuda, then mps, then cpu; a SuperNode's node-config device (e.g. cuda:1) overrides it on that site",
+        one_of("auto", "cpu", "cuda", "mps"),
+        "train",
+    ),
+    Option(
+        "precision",
+        "auto",
+        "forward passes and losses: auto = bf16 autocast on CUDA, float32 elsewhere; bf16 = bf16 autocast on any "
+        "device; fp32 = float32 everywhere",
+        one_of("auto", "bf16", "fp32"),
+        "train",
+    ),
     Option(
         "max-client-share",
         1.0,
@@ -660,6 +674,7 @@ class ExperimentConfig:
             "node-wait-timeout",
             "min-nodes",
             "device",
+            "precision",
             "data-dir",
             "overwrite",
             "keep-checkpoints",

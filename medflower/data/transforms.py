@@ -114,8 +114,11 @@ def target_augment(dataset: Dataset) -> str:
     return ""
 
 
-def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> DataLoader:
-    """Single-process DataLoader; the same ``seed`` gives the same batch order.
+def make_loader(
+    dataset: Dataset, batch_size: int, shuffle: bool, seed: int, pin_memory: bool = False, workers: int = 0
+) -> DataLoader:
+    """DataLoader, single-process unless ``workers`` > 0 (``pin_memory`` for CUDA); the same ``seed`` gives the same
+    batch order.
 
     A shuffled (training) loader drops a last batch of one sample: BatchNorm in train mode cannot normalise a
     single 1x1 feature map (ResNets at small inputs), and one shuffled sample per epoch is no loss. A shuffled
@@ -128,6 +131,7 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int) -> 
         shuffle=shuffle,
         drop_last=shuffle and len(dataset) % batch_size == 1,
         generator=torch.Generator().manual_seed(seed),
-        num_workers=0,
+        num_workers=workers,
+        pin_memory=pin_memory,
         collate_fn=BatchTransform(target_img_size(dataset), target_augment(dataset) if shuffle else "", seed),
     )

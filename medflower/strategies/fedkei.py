@@ -208,13 +208,13 @@ class FedKEIClient(ClientHalf):
             metrics.update(alpha_s=time.monotonic() - started, alpha_loss=inner.mean_loss)
 
         test_loader = make_loader(test, rt.cfg.batch_size, False, 0)
-        curve = [evaluate(rt.model, test_loader, device)["auc"]]
+        curve = [evaluate(rt.model, test_loader, device, precision=rt.cfg.precision)["auc"]]
         epoch_s: list[float] = []
         clock = [time.monotonic()]
 
         def after_epoch(_epoch: int) -> None:
             epoch_s.append(time.monotonic() - clock[0])
-            curve.append(evaluate(rt.model, test_loader, device)["auc"])
+            curve.append(evaluate(rt.model, test_loader, device, precision=rt.cfg.precision)["auc"])
             clock[0] = time.monotonic()
 
         torch.manual_seed(rt.seed(2))
@@ -225,6 +225,7 @@ class FedKEIClient(ClientHalf):
             optimizer=rt.optimizer(),
             device=device,
             after_epoch=after_epoch,
+            precision=rt.cfg.precision,
         )
         epochs = np.asarray(curve[1:], dtype=np.float64)
         metrics.update(result)

@@ -135,6 +135,7 @@ class IncrementalClient(ClientHalf):
                         optimizer=rt.optimizer(),
                         device=rt.device,
                         param_groups=groups,
+                        precision=cfg.precision,
                     )
                 )
             if cfg.classifier == "aac" and cfg.aac_prototype == "feature-mean":

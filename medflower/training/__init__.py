@@ -1,9 +1,12 @@
 """Local training and evaluation shared by every method."""
 
 from .loops import (
+    PRECISIONS,
+    DeviceError,
     ExtraLoss,
     OptimizerSpec,
     autocast,
+    available_devices,
     evaluate,
     evaluate_segmentation,
     pick_device,
@@ -14,7 +17,10 @@ from .losses import bce_dice_loss, one_hot_masks, task_loss
 from .metrics import auc_score, classification_metrics, segmentation_metrics, segmentation_scores
 
 __all__ = [
+    "PRECISIONS",
+    "DeviceError",
     "ExtraLoss",
+    "available_devices",
     "OptimizerSpec",
     "autocast",
     "bce_dice_loss",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,21 +21,57 @@ from .metrics import CONFUSION, SegmentationScores, classification_metrics, conf
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    """auto = cuda, then mps, then cpu."""
-    if name != "auto":
-        return torch.device(name)
+class DeviceError(RuntimeError):
+    """The run or the node asks for a device this site does not have. The message names devices only, so a site
+    sends it to the server as it is (medflower/site_app.py)."""
+
+    shareable = True
+
+
+def available_devices() -> list[str]:
+    """The devices torch sees here: cpu, cuda:0.. (after CUDA_VISIBLE_DEVICES), mps."""
+    names = ["cpu"]
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+        names.append("mps")
+    return names
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; a no-op elsewhere."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def pick_device(name: str = "auto") -> torch.device:
+    """auto = cuda, then mps, then cpu; else the named device (``cuda``, ``cuda:1``, ``mps``, ``cpu``), which must
+    exist here (DeviceError naming the devices this site has)."""
+    name = str(name).strip().lower()
+    have = available_devices()
+    if name == "auto":
+        return torch.device("cuda" if "cuda:0" in have else "mps" if "mps" in have else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    known = device is not None and (
+        device.type == "cpu"
+        or (device.type == "mps" and "mps" in have)
+        or (device.type == "cuda" and f"cuda:{device.index or 0}" in have)
+    )
+    if not known:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        note = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise DeviceError(f"device {name!r} does not exist here; this site has {', '.join(have)}{note}")
+    return device
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def autocast(device: torch.device, precision: str = "auto"):
+    """Mixed precision for forward passes and losses: bf16 autocast on CUDA with ``auto``, on any device with
+    ``bf16`` (the CPU too, slower there but equal within bf16's rounding); float32 (no autocast) with ``fp32``
+    and with ``auto`` off CUDA."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -66,6 +103,7 @@ def train_epochs(
     after_epoch: Callable[[int], None] | None = None,
     param_groups: list[dict] | None = None,
     private: PrivateTraining | None = None,
+    precision: str = "auto",
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
     segmentation) plus ``extra_loss``; returns mean loss and steps.
@@ -74,6 +112,7 @@ def train_epochs(
     (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
     ``param_groups`` (torch's dicts, e.g. a learning rate per group) replaces "every parameter that requires grad".
     ``private`` (run-config dp-sgd): DP-SGD steps on Poisson-sampled batches (medflower/privacy/dp_sgd.py).
+    ``precision`` (run-config precision): ``autocast``'s mode for the forward pass and the losses.
     """
     task = getattr(model, "task", "classification")
     model.to(device)
@@ -91,7 +130,7 @@ def train_epochs(
                     private.steps += 1
                     continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast(device):
+                with autocast(device, precision):
                     logits = net(x)
                     loss = task_loss(task, logits, y)
                     extra = extra_loss(model, logits, y) if extra_loss is not None else None
@@ -117,13 +156,13 @@ def train_epochs(
 
 @torch.no_grad()
 def predict(
-    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device
+    model: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device, precision: str = "auto"
 ) -> tuple[np.ndarray, np.ndarray]:
     """Labels and softmax probabilities over a loader."""
     model.to(device).eval()
     ys, ps = [], []
     for x, y in loader:
-        with autocast(device):
+        with autocast(device, precision):
             logits = model(x.to(device))
         ps.append(torch.softmax(logits.float(), dim=1).cpu().numpy())
         ys.append(y.numpy())
@@ -137,13 +176,14 @@ def evaluate(
     class_names: list[str] | None = None,
     confusion: bool = False,
     empty_masks: str = "skip",
+    precision: str = "auto",
 ) -> dict[str, Any]:
     """Classification: loss, accuracy, balanced accuracy, AUC and n, plus with ``confusion`` the flattened C×C
     counts ``confusion`` (for the server's pooled metrics). Segmentation (``evaluate_segmentation``, scoring an
     image without a structure by run-config ``empty_masks``): loss, Dice, IoU, HD95, empty_fp, hd95_missed, n."""
     if getattr(model, "task", "classification") == "segmentation":
-        return evaluate_segmentation(model, loader, device, class_names, empty_masks)
-    y, probs = predict(model, loader, device)
+        return evaluate_segmentation(model, loader, device, class_names, empty_masks, precision)
+    y, probs = predict(model, loader, device, precision)
     eps = 1e-12
     loss = float(-np.mean(np.log(probs[np.arange(len(y)), y] + eps)))
     out: dict[str, Any] = {"loss": loss, **classification_metrics(y, probs), "n": float(len(y))}
@@ -159,6 +199,7 @@ def evaluate_segmentation(
     device: torch.device,
     class_names: list[str] | None = None,
     empty_masks: str = "skip",
+    precision: str = "auto",
 ) -> dict[str, float]:
     """Per-image hard masks (sigmoid > 0.5) scored per structure by MONAI (``metrics.segmentation_scores``): Dice,
     IoU and HD95 (pixels at the evaluated size) averaged over images per structure ('dice_<structure>', ... when
@@ -170,7 +211,7 @@ def evaluate_segmentation(
     loss_sum, n = 0.0, 0
     for x, y in loader:
         y = y.to(device)
-        with autocast(device):
+        with autocast(device, precision):
             logits = model(x.to(device))
         logits = logits.float()
         loss_sum += task_loss("segmentation", logits, y).item() * len(y)
