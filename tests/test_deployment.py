@@ -129,7 +129,9 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     # The uninterrupted reference runs the same ServerApp/ClientApp code in process (bit-identical to
     # a deployment, and two minutes cheaper than a third deployed run).
     run_inprocess({**config, "run-name": "reference"}, num_nodes=2)
-    with LoopbackFederation(num_supernodes=2, workdir=tmp_path / "fed") as fed:
+    profile = tmp_path / "profile.jsonl"
+    env = {"MEDFLOWER_PROFILE": str(profile)}
+    with LoopbackFederation(num_supernodes=2, workdir=tmp_path / "fed", extra_env=env) as fed:
         fed.start_run({**config, "run-name": "crashed"})
         wait_for(lambda: 1 in server_rounds(out / "crashed"), 300, "round 1 of the crashed run")
         fed.stop(fed.runs[-1], signal.SIGKILL)
@@ -142,6 +144,12 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     assert meta["completed_rounds"] == 2
     for name in ref:
         np.testing.assert_array_equal(ref[name], got[name])
+    # Every message went through a site worker (the default); each worker imported the site's app once, for the
+    # message that started it: one per SuperNode and run (the resumed run is a new run).
+    records = [json.loads(line) for line in profile.read_text().splitlines()]
+    assert records and {r["mode"] for r in records} == {"worker"}
+    workers = {r["worker_pid"] for r in records}
+    assert len(workers) >= 4 and sum(r["imports_s"] > 0 for r in records) == len(workers)
 
 
 def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_path):
