@@ -10,7 +10,7 @@ import sys
 # simulation engine (a Ray actor of the Virtual Client Engine) and medflower's in-process grid.
 SIMULATION_CALLERS = (
     ("flwr.simulation.ray_transport.ray_actor", "VirtualClientEngineActor", "run"),
-    ("medflower.inprocess", "InProcessGrid", "_deliver"),
+    ("medflower.inprocess", "InProcessGrid", "send_and_receive"),
 )
 
 

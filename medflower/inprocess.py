@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import traceback
-import uuid
 from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -24,7 +23,7 @@ DropRule = Callable[[int, Message], bool]
 class InProcessGrid(Grid):
     """Nodes 1..N with node configs ``partition-id``/``num-partitions`` and their own ``context.state``."""
 
-    answers_at_push = True  # a node that has not answered by the first pull never will (medflower's server loop)
+    replies_at_once = True  # send_and_receive answers every message before it returns (medflower's server loop)
 
     def __init__(
         self,
@@ -47,7 +46,6 @@ class InProcessGrid(Grid):
                 run_id=1, node_id=i + 1, node_config=node_config, state=RecordDict(), run_config=dict(run_config)
             )
         self.sent: list[Message] = []
-        self._replies: dict[str, Message] = {}
         self._run = None
         # Flower stamps messages with the identity of the task that creates them.
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
@@ -66,37 +64,29 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Deliver each message now; the replies wait for ``pull_messages``."""
-        ids = []
-        for message in messages:
-            message.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # Flower's grid uses the content's digest
-            ids.append(message.metadata.message_id)
-            reply = self._deliver(message)
-            if reply is not None:
-                self._replies[message.metadata.message_id] = reply
-        return ids
+        raise NotImplementedError("InProcessGrid answers through send_and_receive only")
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._replies.pop(i) for i in message_ids if i in self._replies]
+        raise NotImplementedError("InProcessGrid answers through send_and_receive only")
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(list(self.push_messages(list(messages))))
-
-    def _deliver(self, message: Message) -> Message | None:
-        if self.record_sent:
-            self.sent.append(message)
-        node_id = message.metadata.dst_node_id
-        if node_id not in self.contexts or (self.drop and self.drop(node_id, message)):
-            return None
-        # Each node gets its own copy, as over the wire: a mod may change the records it receives (SecAgg+'s
-        # pops its stage), and one content object can be addressed to several nodes.
-        delivered = copy.copy(message)
-        delivered.content = copy.deepcopy(message.content)
-        try:
-            return self.client_app(delivered, self.contexts[node_id])
-        except Exception as err:  # the real runtime turns ClientApp exceptions into error replies
-            reason = "".join(traceback.format_exception_only(err)).strip()
-            return Message(Error(code=1, reason=reason), reply_to=message)
+        replies = []
+        for message in messages:
+            if self.record_sent:
+                self.sent.append(message)
+            node_id = message.metadata.dst_node_id
+            if node_id not in self.contexts or (self.drop and self.drop(node_id, message)):
+                continue
+            # Each node gets its own copy, as over the wire: a mod may change the records it receives (SecAgg+'s
+            # pops its stage), and one content object can be addressed to several nodes.
+            delivered = copy.copy(message)
+            delivered.content = copy.deepcopy(message.content)
+            try:
+                replies.append(self.client_app(delivered, self.contexts[node_id]))
+            except Exception as err:  # the real runtime turns ClientApp exceptions into error replies
+                reason = "".join(traceback.format_exception_only(err)).strip()
+                replies.append(Message(Error(code=1, reason=reason), reply_to=message))
+        return replies
 
 
 def run_inprocess(

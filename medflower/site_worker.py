@@ -156,30 +156,30 @@ def _connect_or_spawn(paths: dict[str, Path], idle: float):
         raise WorkerError(f"the site's worker did not start within {START_TIMEOUT_S:.0f}s")
 
 
-def _stop_other_runs(socket_path: Path, wait_s: float = 5.0) -> None:
+def _stop_other_runs(socket_path: Path) -> None:
     """One worker per SuperNode: a new run's worker replaces the workers of this node's earlier runs (a run that
     goes on after all starts its worker again at its next message)."""
     node_prefix = socket_path.name.split("-r")[0] + "-r"
     for other in socket_path.parent.glob(f"{node_prefix}*.sock"):
-        if other == socket_path:
-            continue
-        conn = _try_connect({"sock": other, "key": other.with_suffix(".key")})
-        if conn is not None:
-            with conn:
-                conn.send(("stop",))
-                conn.poll(wait_s)
+        if other != socket_path:
+            _ask_to_stop({"sock": other, "key": other.with_suffix(".key")})
 
 
 def stop_worker(context: Context) -> int | None:
     """Ask this SuperNode's worker for this run to exit now; its process id, or None when none was running."""
-    paths = worker_paths(context)
+    return _ask_to_stop(worker_paths(context))
+
+
+def _ask_to_stop(paths: dict[str, Path], wait_s: float = 5.0) -> int | None:
+    """Send the worker at ``paths`` a stop request; its process id once it answers (within ``wait_s``), else None.
+    A worker busy with a message answers after it."""
     conn = _try_connect(paths)
     if conn is None:
         return None
     with conn:
         conn.send(("stop",))
         try:
-            return conn.recv()[1]
+            return conn.recv()[1] if conn.poll(wait_s) else None
         except (EOFError, OSError):
             return None
 
@@ -212,7 +212,7 @@ def message_record(
         "mode": mode,
         "node_id": context.node_id,
         "message_type": message.metadata.message_type,
-        "round": int(config.get("round", 0)) if "round" in config else None,
+        "round": config.get("round"),
         "created_at": message.metadata.created_at,
         "process_start": profiling.process_start_time(),
         "handler_start": started,

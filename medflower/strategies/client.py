@@ -93,13 +93,13 @@ class ClientRuntime:
 
     @functools.cached_property
     def data(self) -> ClientData:
+        """The site's data. Its own ``data-path``: all of it, labels mapped onto the run's classes (run-config
+        class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
+        data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
         with profiling.phase("data"):
             return self._load_data()
 
     def _load_data(self) -> ClientData:
-        """The site's data. Its own ``data-path``: all of it, labels mapped onto the run's classes (run-config
-        class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
-        data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
         if self.data_path is not None:
             base = self.cfg.data_spec(dataset="synthetic", cache_dir=self.cache_dir())  # split/resize/read settings
             classes = SiteClasses(
@@ -146,7 +146,8 @@ class ClientRuntime:
     @functools.cached_property
     def device(self) -> torch.device:
         """node-config ``device`` (this SuperNode's choice, e.g. ``cuda:1``), else run-config ``device``; one this site
-        lacks is refused with a DeviceError naming the node and the devices it has (docs/deployment.md#devices)."""
+        lacks is refused with a DeviceError naming the node and the devices it has
+        (docs/deployment.md#devices-and-gpus)."""
         name = self.context.node_config.get("device") or self.cfg.device
         try:
             return pick_device(str(name))
@@ -159,10 +160,11 @@ class ClientRuntime:
         for loaders that draw no augmentation (a worker would repeat another's draws); single-process elsewhere."""
         if self.device.type != "cuda":
             return {}
-        default = max(min(4, (os.cpu_count() or 1) - 1), 0)
-        workers = int(self.context.node_config.get("loader-workers", default))
+        raw = self.context.node_config.get("loader-workers", max(min(4, (os.cpu_count() or 1) - 1), 0))
+        if not str(raw).isdigit():
+            raise DataError(f"node-config loader-workers = {raw!r}: a whole number of processes >= 0, e.g. 4")
         augmented = shuffle and bool(getattr(self.data.train, "augment", ""))
-        return {"pin_memory": True, "workers": 0 if augmented else max(workers, 0)}
+        return {"pin_memory": True, "workers": 0 if augmented else int(raw)}
 
     @property
     def client(self) -> str:

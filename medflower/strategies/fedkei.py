@@ -136,7 +136,9 @@ class FedKEIClient(ClientHalf):
         return module_loss(model, parts, model.parameter_paths()), parts, rt.device
 
     def _batches(self, data, shuffle: bool, purpose: int, device: torch.device):
-        loader = make_loader(data, self.rt.cfg.batch_size, shuffle, self.rt.seed(purpose))
+        loader = make_loader(
+            data, self.rt.cfg.batch_size, shuffle, self.rt.seed(purpose), **self.rt.loader_options(shuffle)
+        )
         for x, y in loader:
             yield (x.to(device), y.to(device)), len(y)
 
@@ -207,7 +209,7 @@ class FedKEIClient(ClientHalf):
             metrics.update({f"alpha_{p}": a.cpu().tolist() for p, a in zip(parts, inner.alphas)})
             metrics.update(alpha_s=time.monotonic() - started, alpha_loss=inner.mean_loss)
 
-        test_loader = make_loader(test, rt.cfg.batch_size, False, 0)
+        test_loader = make_loader(test, rt.cfg.batch_size, False, 0, **rt.loader_options(False))
         curve = [evaluate(rt.model, test_loader, device, precision=rt.cfg.precision)["auc"]]
         epoch_s: list[float] = []
         clock = [time.monotonic()]
@@ -220,7 +222,7 @@ class FedKEIClient(ClientHalf):
         torch.manual_seed(rt.seed(2))
         result = train_epochs(
             rt.model,
-            make_loader(train, rt.cfg.batch_size, True, rt.seed(1)),
+            make_loader(train, rt.cfg.batch_size, True, rt.seed(1), **rt.loader_options(True)),
             epochs=rt.cfg.task_epochs,
             optimizer=rt.optimizer(),
             device=device,

@@ -125,7 +125,7 @@ class IncrementalClient(ClientHalf):
             mask = logit_mask(cfg.classifier, cfg.classes_per_task, self.task, model.head.out_features)
             masked = MaskedLogits(model, mask)
             torch.manual_seed(rt.seed(2))
-            loader = make_loader(train, cfg.batch_size, True, rt.seed(1))
+            loader = make_loader(train, cfg.batch_size, True, rt.seed(1), **rt.loader_options(True))
             with frozen_rows(model.head, ~mask):
                 metrics.update(
                     train_epochs(

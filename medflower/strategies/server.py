@@ -50,9 +50,9 @@ REPLY_POLL_S = 0.2
 def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
     """Flower's ``Grid.send_and_receive`` with a 0.2-s poll: Flower 1.41's deployment grid asks the SuperLink for
     replies every 3 s, which every phase of a round waits 1.5 s on average (docs/benchmarks.md#deployment-start-up-tax);
-    one poll is one small request to the SuperLink. A grid that ``answers_at_push`` (medflower's in-process grid) has
-    every reply it will ever give at once: its own ``send_and_receive`` (which tests wrap) answers."""
-    if getattr(grid, "answers_at_push", False):
+    one poll is one small request to the SuperLink. A grid whose ``send_and_receive`` answers at once
+    (``replies_at_once``: medflower's in-process grid) is asked through it, with nothing to poll."""
+    if getattr(grid, "replies_at_once", False):
         return list(grid.send_and_receive(messages, timeout=timeout))
     waiting = {message_id for message_id in grid.push_messages(messages) if message_id}
     deadline = time.monotonic() + timeout
