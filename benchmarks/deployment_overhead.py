@@ -11,7 +11,11 @@ One invocation runs the same run config (same seeds, sites and rounds) in each c
 - ``process``: the same deployment with ``site-worker=false``: each message's own process imports torch, timm and
   peft, builds the model and reads the data (medflower's cache on disk spares the decoding), as before the worker;
 - ``worker+poll``: ``worker`` with ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1`` on the SuperNodes (Flower's SuperExec
-  looks for a new message every 0.1 s instead of every 1 s).
+  looks for a new message every 0.1 s instead of every 1 s);
+- ``worker+fold`` and ``sim+fold``: ``worker`` and ``sim`` with run-config ``evaluate-in-train=true`` (each round's
+  evaluation rides in the next round's training replies: one message per site and round; the same metrics,
+  docs/deployment.md#fewer-messages-per-round). Their steady state is rounds 2 .. R-1 (the last round still has
+  its evaluate phase).
 
 Every site writes one profile record per message (``MEDFLOWER_PROFILE``, medflower/profiling.py) and the ServerApp
 writes each round's ``round_s`` and per-phase wall times (``phase_s``) to ``metrics.jsonl``. Per mode the report
@@ -52,12 +56,14 @@ sys.path.insert(0, str(REPO))  # `python benchmarks/deployment_overhead.py` from
 from benchmarks._report import print_table  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "deployment_overhead.json"
-# mode -> (simulation, site-worker, SuperExec's task poll in s or None for Flower's default of 1 s)
+# mode -> (simulation, site-worker, SuperExec's task poll in s or None for Flower's default of 1 s, evaluate-in-train)
 MODES = {
-    "sim": (True, False, None),
-    "process": (False, False, None),
-    "worker": (False, True, None),
-    "worker+poll": (False, True, 0.1),
+    "sim": (True, False, None, False),
+    "process": (False, False, None, False),
+    "worker": (False, True, None, False),
+    "worker+poll": (False, True, 0.1, False),
+    "sim+fold": (True, False, None, True),
+    "worker+fold": (False, True, None, True),
 }
 COLUMNS = ("queue", "startup", "imports", "model", "data", "train", "evaluate", "other", "reply")
 
@@ -100,15 +106,16 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     folder.mkdir(parents=True, exist_ok=True)
     profile = folder / "profile.jsonl"
     profile.unlink(missing_ok=True)
+    simulation, worker, superexec_poll, fold = MODES[mode]
     config = {
         "strategy": args.strategy,
         "num-rounds": args.rounds,
+        "evaluate-in-train": fold,
         "output-dir": str(folder / "outputs"),
         "run-name": "run",
         "min-nodes": args.sites,
         **parse_run_config(args.run_config),
     }
-    simulation, worker, superexec_poll = MODES[mode]
     node_configs = [{"site-worker": worker} for _ in range(args.sites)]
     # Simulation trains one site at a time with every core; the deployed sites train at once on this one machine,
     # so each gets its share of the cores (torch threads beyond the cores wait on each other at every barrier).
@@ -133,14 +140,17 @@ def collect(mode: str, folder: Path, wall: float | None = None) -> dict[str, Any
     """A finished run's server rounds and profile records."""
     profile = folder / "profile.jsonl"
     lines = (folder / "outputs" / "run" / "metrics.jsonl").read_text().splitlines()
-    server = [r for r in map(json.loads, lines) if r["kind"] == "server"]
+    # a round's record (evaluate-in-train adds records of late pooled metrics, without round_s)
+    server = [r for r in map(json.loads, lines) if r["kind"] == "server" and "round_s" in r]
     messages = [json.loads(line) for line in profile.read_text().splitlines()] if profile.exists() else []
     return {"mode": mode, "wall_s": wall, "server": server, "messages": messages}
 
 
 def breakdown(run: dict[str, Any]) -> dict[str, Any]:
     """The steady-state round and the per-message split (module docstring) of one run."""
-    steady = [r for r in run["server"] if r["round"] >= 2] or run["server"]
+    last = max(r["round"] for r in run["server"])
+    folded = MODES[run["mode"]][3] and last >= 3  # its last round has the evaluate phase the others carry
+    steady = [r for r in run["server"] if 2 <= r["round"] < (last if folded else last + 1)] or run["server"]
     rows: dict[str, list[dict[str, float]]] = {}
     for rec in steady:
         for phase, wall in rec.get("phase_s", {}).items():

@@ -149,6 +149,13 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("min-nodes", 1, "nodes that must be connected before round 1 starts", positive),
     Option("node-wait-timeout", 120.0, "seconds to wait for min-nodes before giving up", positive),
     Option("round-timeout", 600.0, "seconds to wait for replies in one phase; late nodes are skipped", positive),
+    Option(
+        "evaluate-in-train",
+        False,
+        "carry each round's evaluation in the next round's training replies (one message per site and round "
+        "instead of two; the last round still has its evaluate phase); strategies with a single training phase "
+        "only (docs/deployment.md#fewer-messages-per-round)",
+    ),
     Option("output-dir", "outputs", "where run folders go (relative paths: the ServerApp's working directory)"),
     Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
     Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
@@ -536,6 +543,19 @@ class ExperimentConfig:
             self.num_rounds,
         )
         check_secagg_config(self, self.strategy, method.secagg, strategies_with("secagg"))
+        if self.evaluate_in_train and not method.folds_evaluation:
+            raise bad(
+                "evaluate-in-train",
+                True,
+                f"strategy {self.strategy!r} needs its own evaluate phase; it works with "
+                f"{', '.join(strategies_with('folds_evaluation'))}",
+            )
+        if self.evaluate_in_train and self.secagg:
+            raise bad(
+                "evaluate-in-train",
+                True,
+                "with secagg a training reply carries only the masked update, no evaluation; leave one of them off",
+            )
         if check_paths:
             self.check_data_paths()
             if self.site_registry:

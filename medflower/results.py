@@ -87,9 +87,17 @@ class RunRecorder:
     def log_server(self, rnd: int, **fields: Any) -> None:
         self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})
 
-    def truncate_after(self, rnd: int) -> None:
-        """Drop records of rounds after ``rnd`` (a resumed run redoes them)."""
-        kept = [r for r in read_records(self.metrics_path) if int(r.get("round", 0)) <= rnd]
+    def truncate_after(self, rnd: int, evaluated_through: int | None = None) -> None:
+        """Drop records of rounds after ``rnd`` (a resumed run redoes them), and the evaluation records of rounds
+        after ``evaluated_through`` (run-config evaluate-in-train: round ``rnd``'s evaluation comes with the training
+        replies of round ``rnd + 1``, which the resumed run redoes)."""
+        last_eval = rnd if evaluated_through is None else evaluated_through
+
+        def kept_record(r: dict[str, Any]) -> bool:
+            late = r.get("kind") == "eval" or "evaluated_in" in r
+            return int(r.get("round", 0)) <= (last_eval if late else rnd)
+
+        kept = [r for r in read_records(self.metrics_path) if kept_record(r)]
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     # ------------------------------------------------------------------ reading
@@ -105,7 +113,7 @@ class RunRecorder:
         ]
         server = [r for r in self.records("server") if r["round"] == rnd]
         if server:
-            s = server[-1]
+            s = {k: v for r in server for k, v in r.items()}  # with evaluate-in-train, the pooled metrics come later
             parts.append(f"up={s['bytes_up'] / 1e6:.2f}MB down={s['bytes_down'] / 1e6:.2f}MB")
             parts += [f"{m}={s[m]:.3f}" for m in POOLED if isinstance(s.get(m), (int, float))]
             if isinstance(s.get("dp_epsilon"), (int, float)):
@@ -114,7 +122,8 @@ class RunRecorder:
                 parts.append(f"dp-sgd epsilon<={s['dp_sgd_epsilon']:.3f} (delta={s['dp_delta']:g})")
             if s.get("num_failed") or s.get("num_rejected"):
                 parts.append(f"failed={s['num_failed']} rejected={s['num_rejected']}")
-        return f"mean over {len(evals)} clients: " + " ".join(parts)
+        head = f"mean over {len(evals)} clients:" if evals else "no site evaluated this round (yet):"
+        return " ".join([head, *parts])
 
     def summary(
         self, strategy: str, dataset: str, wall_time_s: float, extra: Mapping[str, Any] | None = None

@@ -76,7 +76,9 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
         # later rounds (a chosen earlier round, or newer ones refused as corrupt) are redone: drop them
         Checkpointer(run_dir / "checkpoint").discard_after(strategy.completed_rounds)
-        recorder.truncate_after(strategy.completed_rounds)
+        done = strategy.completed_rounds
+        # evaluate-in-train: the checkpoint's round was evaluated in the next round's replies, which are redone
+        recorder.truncate_after(done, done - 1 if cfg.evaluate_in_train and done < strategy.total_rounds() else done)
     recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())
     log(

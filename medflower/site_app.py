@@ -40,6 +40,8 @@ def handle(message: Message, context: Context) -> Message:
         half = cfg.strategy_class.client_half(runtime)
         category, _, action = message.metadata.message_type.partition(".")
         handler = getattr(half, action or category)
+        if message.metadata.message_type == "train" and cfg.evaluate_in_train and runtime.round > 1:
+            handler = half.train_after_evaluating  # the previous round's evaluation rides in this reply
         content = handler(message)
         if message.metadata.message_type == "train":  # run-config dp: clip (and noise) the update before it leaves
             content = privatise_train_reply(message.content, content, cfg)

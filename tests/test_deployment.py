@@ -94,6 +94,8 @@ def test_insecure_connection_to_tls_superlink_is_refused(tmp_path):
 
 
 def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
+    """With evaluate-in-train (docs/deployment.md#fewer-messages-per-round): a site lost mid-run loses only the
+    evaluation its training message carried."""
     out = tmp_path / "outputs"
     run_dir = out / "kill"
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
@@ -103,6 +105,7 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
                 "num-rounds": 4,
                 "min-nodes": 3,
                 "round-timeout": 40.0,
+                "evaluate-in-train": True,  # one message per site and round, through the site workers
                 "output-dir": str(out),
                 "run-name": "kill",
             }
@@ -119,6 +122,14 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
     assert trained[1] == {"site-0", "site-1", "site-2"}
     assert "site-2" not in trained[2]
     assert trained[4] == {"site-0", "site-1", "site-2"}, "the returning site takes part again"
+    evaluated = {
+        rnd: {r["client"] for r in records if r["kind"] == "eval" and r["round"] == rnd} for rnd in (1, 2, 3, 4)
+    }
+    assert "site-2" not in evaluated[1], "round 1's evaluation came with round 2's training, which site 2 missed"
+    assert evaluated[4] == {"site-0", "site-1", "site-2"}
+    assert sorted(r["round"] for r in records if "evaluated_in" in r) == [1, 2, 3]
+    phases = [r["phase_s"] for r in records if r["kind"] == "server" and "phase_s" in r]
+    assert ["evaluate" in p for p in phases] == [False, False, False, True]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["communication"]["failed_replies"] >= 1
 

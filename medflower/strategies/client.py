@@ -301,6 +301,20 @@ class ClientHalf:
         metrics = self.rt.evaluate_splits()
         return self.reply(metrics=metrics)
 
+    def train_after_evaluating(self, message: Message) -> RecordDict:
+        """run-config evaluate-in-train, rounds after the first: ``evaluate`` the message as the previous round's
+        evaluate message (the same arrays, that round's number), then ``train``; the training reply carries the
+        evaluation metrics in its ``evaluation`` record. Leaves a site: what ``train`` and ``evaluate`` send."""
+        rnd = self.rt.round
+        self.rt.config["round"] = rnd - 1
+        try:
+            evaluation = self.evaluate(message)["metrics"]
+        finally:
+            self.rt.config["round"] = rnd
+        content = self.train(message)
+        content["evaluation"] = evaluation
+        return content
+
     def reply(
         self, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping[str, Any] | None = None
     ) -> RecordDict:

@@ -203,6 +203,7 @@ class FedDyn(FederatedStrategy):
 
     name = "feddyn"
     client_half = FedDynClient
+    folds_evaluation = True
     trains_backbone = True
     client_dp = ("site",)  # h and θ are post-processing of the noised θ_i
     dp_sgd = True

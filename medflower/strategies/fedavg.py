@@ -69,6 +69,7 @@ class FedAvg(FederatedStrategy):
 
     name = "fedavg"
     client_half = FedAvgClient
+    folds_evaluation = True
     trains_backbone = True
     client_dp = ("site", "server")
     dp_sgd = True
@@ -116,6 +117,7 @@ class Local(FederatedStrategy):
 
     name = "local"
     client_half = LocalClient
+    folds_evaluation = True
     trains_backbone = True
     dp_sgd = True
 

@@ -2,12 +2,13 @@
 strategy, before anything in it is used.
 
 A site is untrusted: its reply may be malformed by a bug, a careless configuration or an attacker. ``check_reply``
-accepts only the records the protocol defines (``arrays``, ``metrics``, ``info``), checks the array names, dtypes,
-shapes and byte sizes from the metadata *before* anything is decoded, then the decoded values (finite, within
-``reply-value-limit``), every metric (a finite number or a bounded list of them, not named like a record's own
-field) and the site's identity fields. Anything else raises ``RejectedReply`` with the reason; the server logs it,
-counts the node as rejected for the round and goes on (``FederatedStrategy.exchange``). The meaning of particular
-values (counts, budgets, capacities) is checked by the strategy's ``check_reply`` hook right after this.
+accepts only the records the protocol defines (``arrays``, ``metrics``, ``info``, ``evaluation``), checks the
+array names, dtypes, shapes and byte sizes from the metadata *before* anything is decoded, then the decoded values
+(finite, within ``reply-value-limit``), every metric and evaluation metric (a finite number or a bounded list of
+them, not named like a record's own field) and the site's identity fields. Anything else raises
+``RejectedReply`` with the reason; the server logs it, counts the node as rejected for the round and goes on
+(``FederatedStrategy.exchange``). The meaning of particular values (counts, budgets, capacities) is checked by the
+strategy's ``check_reply`` hook right after this.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from ..results import RESERVED_FIELDS
 from .records import ArraySpec, validate_arrays
 
-RECORDS = {"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord}
+# "evaluation": the previous round's evaluation metrics in a training reply (run-config evaluate-in-train)
+RECORDS = {"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord, "evaluation": MetricRecord}
 INFO_KEYS = frozenset({"partition-id", "client"})
 MAX_METRICS = 256  # metric names per reply (a site sends a few dozen at most)
 MAX_NAME = 64  # characters of a metric name
@@ -75,6 +77,11 @@ def check_info(content: RecordDict) -> dict[str, Any]:
 def check_metrics(content: RecordDict) -> dict[str, Any]:
     """Finite numbers or bounded lists of them, under names that do not overwrite a record's own fields."""
     return check_metric_values(dict(content["metrics"]) if "metrics" in content else {})
+
+
+def check_evaluation(content: RecordDict) -> dict[str, Any]:
+    """The evaluation metrics a training reply carries under run-config evaluate-in-train, checked like metrics."""
+    return check_metric_values(dict(content["evaluation"])) if "evaluation" in content else {}
 
 
 def check_metric_values(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +157,7 @@ def check_reply(
     _check_records(content)
     info = check_info(content)
     metrics = check_metrics(content)
+    check_evaluation(content)
     return check_arrays(content, expected, value_limit), metrics, info
 
 

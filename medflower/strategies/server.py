@@ -76,6 +76,7 @@ class Reply:
     arrays: OrderedDict[str, np.ndarray]
     metrics: dict[str, float]
     config: dict[str, Any]
+    evaluation: dict[str, Any] = field(default_factory=dict)  # evaluate-in-train: the previous round's evaluation
 
     @property
     def num_examples(self) -> float:
@@ -143,6 +144,10 @@ class FederatedStrategy:
     # Its aggregate is the n_k-weighted mean of updates of arrays every site received alike, so Flower's SecAgg+ can
     # hide the single updates (run-config secagg; ``aggregate_secure``).
     secagg: ClassVar[bool] = False
+    # Its round is the default one (train, aggregate, evaluate) and its client half's ``evaluate`` of a training
+    # message's arrays, done before training, is the previous round's evaluation: run-config evaluate-in-train may
+    # carry it in the training reply (``ClientHalf.train_after_evaluating``) and skip the evaluate phase.
+    folds_evaluation: ClassVar[bool] = False
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
@@ -299,7 +304,8 @@ class FederatedStrategy:
                 self.stats.bytes_up += record_bytes(msg.content)
                 spec = expect(node_id) if callable(expect) else expect
                 arrays, metrics, info = check_reply(msg.content, spec, self.cfg.reply_value_limit)
-                reply = Reply(node_id, client, arrays, metrics, info)
+                evaluation = dict(msg.content["evaluation"]) if "evaluation" in msg.content else {}  # checked above
+                reply = Reply(node_id, client, arrays, metrics, info, evaluation)
                 problem = self.check_reply_values(message_type.partition(".")[0], reply)
             except RejectedReply as err:
                 problem = str(err)
@@ -523,6 +529,8 @@ class FederatedStrategy:
             self.secure_train(grid, rnd, contents)
         else:
             replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
+            if self.evaluates_in_train(rnd):
+                self.record_carried_evaluation(grid, rnd, replies, asked=set(contents))
             for reply in replies:
                 self.recorder.log_client(rnd, reply.client, "train", reply.metrics)
             started = time.monotonic()
@@ -531,8 +539,32 @@ class FederatedStrategy:
             else:
                 log(WARNING, "[medflower] round %d: no valid training reply; the model is unchanged", rnd)
             self.stats.aggregation_s += time.monotonic() - started
+        if self.cfg.evaluate_in_train and rnd < self.total_rounds():
+            return  # this round's evaluation comes with the next round's training replies
         contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
-        self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd))
+        self.stats.extra.update(self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd)))
+
+    def evaluates_in_train(self, rnd: int) -> bool:
+        """Whether round ``rnd``'s training messages ask for the previous round's evaluation first (run-config
+        evaluate-in-train; the sites decide the same from the run config and the round)."""
+        return bool(self.cfg.evaluate_in_train) and rnd > 1
+
+    def record_carried_evaluation(self, grid: Grid, rnd: int, replies: list[Reply], asked: set[int]) -> None:
+        """evaluate-in-train: round ``rnd - 1``'s evaluation, from the training replies of round ``rnd`` and an
+        evaluate message (as round ``rnd - 1`` would have sent it) to the nodes not sampled for training. Its
+        pooled metrics go into a server record of round ``rnd - 1`` of their own (``evaluated_in``: ``rnd``)."""
+        evaluated = [Reply(r.node_id, r.client, OrderedDict(), r.evaluation, r.config) for r in replies if r.evaluation]
+        for reply in replies:
+            if not reply.evaluation:
+                log(WARNING, "[medflower] round %d: %s sent no evaluation of round %d", rnd, reply.client, rnd - 1)
+        # a node asked to train that failed has no evaluation of round rnd - 1 either (as if its evaluate failed)
+        rest = {n: self.evaluate_content(rnd - 1, n) for n in self.ordered_nodes() if n not in asked}
+        if rest:
+            evaluated += self.exchange(grid, "evaluate", rest, rnd - 1)
+        pooled = self.record_evaluation(rnd - 1, evaluated)
+        if pooled:
+            self.recorder.log_server(rnd - 1, evaluated_in=rnd, **pooled)
+        log(INFO, "[medflower] %s %d evaluation: %s", self.round_label, rnd - 1, self.recorder.round_summary(rnd - 1))
 
     def secure_train(self, grid: Grid, rnd: int, contents: Mapping[int, RecordDict]) -> None:
         """The training phase as Flower's SecAgg+ (medflower/privacy/secagg.py): only the n_k-weighted mean of the
@@ -579,8 +611,8 @@ class FederatedStrategy:
             (k, np.asarray(v + mean_update[k], dtype=v.dtype)) for k, v in self.global_arrays.items()
         )
 
-    def record_evaluation(self, rnd: int, replies: list[Reply]) -> None:
-        """Log each site's evaluation and put the pooled metrics of the round into its server record.
+    def record_evaluation(self, rnd: int, replies: list[Reply]) -> dict[str, Any]:
+        """Log each site's evaluation of round ``rnd``; return the round's pooled metrics (for its server record).
 
         Pooled: the sum of the valid ``confusion`` counts of the sites that answered, i.e. the metric on the
         union of their test splits (SiFT reports balanced accuracy on one pooled test set). Counts are untrusted:
@@ -606,8 +638,7 @@ class FederatedStrategy:
                 else:
                     total, sites = total + counts, sites + 1
             self.recorder.log_client(rnd, reply.client, "eval", metrics)
-        if total.sum() > 0:
-            self.stats.extra.update(pooled_metrics(total), pooled_sites=sites)
+        return {**pooled_metrics(total), "pooled_sites": sites} if total.sum() > 0 else {}
 
     def reply_spec(self, node_id: int) -> ArraySpec | None:
         """Arrays node ``node_id``'s training reply must carry (the same for every node, by default)."""

@@ -294,6 +294,7 @@ class SGCA(FederatedStrategy):
 
     name = "sgca"
     client_half = SGCAClient
+    folds_evaluation = True
     options = OPTIONS
     client_dp = ("site",)  # W and each Θ̂_i are post-processing of the noised Θ_j
     dp_sgd = True  # the cosine pull is a parameter-only term

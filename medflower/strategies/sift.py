@@ -261,7 +261,7 @@ class SiFT(FederatedStrategy):
             n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
             for n in self.ordered_nodes()
         }
-        self.record_evaluation(rnd, self.exchange(grid, "evaluate", evaluation, rnd))
+        self.stats.extra.update(self.record_evaluation(rnd, self.exchange(grid, "evaluate", evaluation, rnd)))
 
     def hop(self, grid: Grid, rnd: int, position: int, node_id: int | None) -> None:
         """Send the pair to the site at ``position``; keep its reply's pair if valid; checkpoint."""
