@@ -58,7 +58,7 @@ def sent_types(grid) -> Counter:
 
 
 def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
-    assert FOLDING == ["fedavg", "feddyn", "fedprox", "lat", "local", "sgca"]
+    assert FOLDING == ["fedavg", "feddyn", "fedprox", "lat", "local", "scaffold", "sgca"]
     for name in FOLDING:
         assert STRATEGIES[name].run_round is FederatedStrategy.run_round, name
 
@@ -66,7 +66,8 @@ def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
 @pytest.mark.parametrize("strategy", FOLDING)
 def test_a_folded_run_measures_and_trains_what_the_unfolded_run_does(tiny, strategy):
     rounds, nodes = 3, 3
-    base = tiny(strategy=strategy, **{"num-rounds": rounds})
+    sgd = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05} if strategy == "scaffold" else {}  # it needs plain SGD
+    base = tiny(strategy=strategy, **{"num-rounds": rounds}, **sgd)
     plain, plain_grid = run_inprocess({**base, "run-name": "plain"}, nodes)
     folded, folded_grid = run_inprocess({**base, "run-name": "folded", "evaluate-in-train": True}, nodes)
     a, b = run_dir_of({**base, "run-name": "plain"}), run_dir_of({**base, "run-name": "folded"})

@@ -112,6 +112,12 @@ class ScaffoldClient(ClientHalf):
         metrics["num-examples"] = len(rt.data.train)
         return self.reply(arrays=arrays, metrics=metrics)
 
+    def evaluate(self, message: Message) -> RecordDict:
+        """The global model x; a training message's control variates c (evaluate-in-train) are not evaluated."""
+        received = from_record(message.content["arrays"])
+        self.rt.model.set_trainable(OrderedDict((k, v) for k, v in received.items() if not k.startswith(CONTROL)))
+        return self.reply(metrics=self.rt.evaluate_splits())
+
 
 @register_strategy
 class Scaffold(FederatedStrategy):
@@ -122,6 +128,7 @@ class Scaffold(FederatedStrategy):
 
     name = "scaffold"
     client_half = ScaffoldClient
+    folds_evaluation = True
     trains_backbone = True
     dp_sgd = True  # c_i is computed from the DP-trained parameters: post-processing
     options = (
