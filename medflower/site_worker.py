@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from logging import INFO
 from multiprocessing.connection import AuthenticationError, Client, Listener
 from pathlib import Path
 
@@ -259,11 +260,22 @@ def _alive(pid: int) -> bool:
 
 def serve(socket_path: Path, key_file: Path, watch_pid: int | None, idle: float) -> None:
     """Import the site's app, then answer one message per connection until the watch ends this process."""
+    from flwr.common.logger import log
     from flwr.supercore.task_identity import TaskIdentity
 
+    started = time.monotonic()
     with profiling.timed_message() as import_timings, profiling.phase("imports"):
         from .site_app import app
 
+    log(  # the one line an operator sees of the worker in the SuperNode's log
+        INFO,
+        "[medflower] site worker %d ready for %s after %.1fs of imports; it exits with the SuperNode or after %.0fs "
+        "idle",
+        os.getpid(),
+        socket_path.stem,
+        time.monotonic() - started,
+        idle,
+    )
     key = key_file.read_bytes()
     paths = {"sock": socket_path, "key": key_file}
     watch = _Watch(paths, watch_pid, idle)
