@@ -274,3 +274,22 @@ def test_fedala_learns_in_process(tiny):
     for r in records(run_dir, "train"):
         epochs[r["round"]].add(r["ala_epochs"])
     assert epochs[1] == {0} and min(epochs[2]) > 10 and epochs[3] == epochs[4] == {1}
+
+
+def test_with_evaluate_in_train_a_training_message_runs_its_ala_once(tiny, monkeypatch):
+    """The folded evaluation is the ALA the message then trains from: one ALA per message, not two."""
+    calls = []
+    original = AdaptiveLocalAggregation.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdaptiveLocalAggregation, "run", counted)
+    base = tiny(strategy="fedala", **{"num-rounds": 3, "ala-max-epochs": 2})
+    run_inprocess({**base, "run-name": "plain"}, num_nodes=2)
+    plain, calls[:] = len(calls), []
+    run_inprocess({**base, "run-name": "folded", "evaluate-in-train": True}, num_nodes=2)
+    # per site, plain: evaluate 1, train 2, evaluate 2, train 3, evaluate 3; folded: train 2 (with evaluate 1),
+    # train 3 (with evaluate 2), evaluate 3 (round 1 trains the global model: no ALA)
+    assert (plain, len(calls)) == (5 * 2, 3 * 2)

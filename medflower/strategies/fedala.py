@@ -204,6 +204,10 @@ class AdaptiveLocalAggregation:
         return blended, learnt, losses
 
 
+def _same(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    return list(a) == list(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 # ----------------------------------------------------------------------------- client half
 class FedALAClient(ClientHalf):
     """ALA on the received global model, then local training from Θ̂_i; the trained arrays go up and, with W_i,
@@ -233,7 +237,20 @@ class FedALAClient(ClientHalf):
     ) -> tuple[OrderedDict[str, np.ndarray], OrderedDict[str, np.ndarray] | None, dict[str, float]]:
         """Θ̂_i for round ``rnd`` from the received global arrays and the site's state saved before ``rnd``, the learnt
         W_i (None: no ALA) and metrics. A site without a local model yet starts from the global one (the reference
-        skips ALA in a client's first round); its first ALA starts W_i at ones and runs the start phase."""
+        skips ALA in a client's first round); its first ALA starts W_i at ones and runs the start phase.
+
+        Within one message the same inputs give the same ALA (seeded, no state written), so it runs once: with
+        evaluate-in-train a training message evaluates the ALA it then trains from."""
+        done = getattr(self, "_ala", None)
+        if done is not None and done[0] == rnd and _same(done[1], global_arrays):
+            return done[2]
+        result = self._initialise(global_arrays, rnd)
+        self._ala = (rnd, global_arrays, result)
+        return result
+
+    def _initialise(
+        self, global_arrays: Mapping[str, np.ndarray], rnd: int
+    ) -> tuple[OrderedDict[str, np.ndarray], OrderedDict[str, np.ndarray] | None, dict[str, float]]:
         rt = self.rt
         saved = self.personal().load(before=rnd)
         if saved is None:
