@@ -79,3 +79,47 @@ def tiny_bert(tmp_path_factory):
     )
     BertModel(config).save_pretrained(str(folder))
     return folder
+
+
+def site_runtime(tmp_path, strategy: str, **run_config):
+    """One site's ClientRuntime (partition 0 of 2, its state folder under ``tmp_path``) for driving a client half
+    message by message; a second call with the same ``tmp_path`` is the same site restarted (empty context.state)."""
+    from flwr.app import Context, RecordDict
+
+    from medflower.config import ExperimentConfig, defaults
+    from medflower.strategies.base import ClientRuntime
+
+    cfg = ExperimentConfig.from_run_config({**defaults(), **TINY, "strategy": strategy, **run_config})
+    node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state")}
+    context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={})
+    return ClientRuntime(cfg, context, {"round": 0}, 0, 2)
+
+
+def send_to_site(runtime, half: type, kind: str, rnd: int, arrays):
+    """Round ``rnd``'s train or evaluate message with ``arrays``, handled by client half ``half`` on ``runtime``; a
+    stand-in of what a client half reads of a message (its content: a Message proper needs a running Flower run)."""
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from medflower.strategies.base import to_record
+
+    message = SimpleNamespace(content=RecordDict({"arrays": to_record(arrays), "config": ConfigRecord({"round": rnd})}))
+    runtime.config["round"] = rnd
+    client = half(runtime)
+    return client.train(message) if kind == "train" else client.evaluate(message)
+
+
+def training_starts(monkeypatch) -> list:
+    """The trainable arrays each ``ClientRuntime.train_local`` call starts from, in call order (filled as they run)."""
+    from medflower.strategies.base import ClientRuntime
+
+    seen = []
+    original = ClientRuntime.train_local
+
+    def train_local(self, *args, **kwargs):
+        seen.append(self.model.get_trainable())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClientRuntime, "train_local", train_local)
+    return seen

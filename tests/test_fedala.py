@@ -2,18 +2,15 @@
 skip and the start phase, the site's state across a restart, the option checks, and a short run that learns."""
 
 from collections import OrderedDict, defaultdict
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of
-from flwr.app import ConfigRecord, Context, RecordDict
+from conftest import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
-from medflower.strategies.base import ClientRuntime, to_record
 from medflower.strategies.fedala import (
     WEIGHT,
     AdaptiveLocalAggregation,
@@ -144,44 +141,21 @@ def test_which_arrays_are_blended():
 
 
 # ----------------------------------------------------------------------------- a site, message by message
-def site(tmp_path, **run_config) -> ClientRuntime:
-    cfg = ExperimentConfig.from_run_config({**defaults(), **TINY, "strategy": "fedala", **run_config})
-    node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state")}
-    context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={})
-    return ClientRuntime(cfg, context, {"round": 0}, 0, 2)
+def site(tmp_path, **run_config):
+    return site_runtime(tmp_path, "fedala", **run_config)
 
 
-def message(rnd: int, arrays) -> SimpleNamespace:
-    """What a client half reads of a message: its content (a Message proper needs a running Flower run)."""
-    return SimpleNamespace(content=RecordDict({"arrays": to_record(arrays), "config": ConfigRecord({"round": rnd})}))
-
-
-def send(rt: ClientRuntime, kind: str, rnd: int, arrays) -> RecordDict:
-    rt.config["round"] = rnd
-    client = FedALAClient(rt)
-    return client.train(message(rnd, arrays)) if kind == "train" else client.evaluate(message(rnd, arrays))
+def send(rt, kind: str, rnd: int, arrays):
+    return send_to_site(rt, FedALAClient, kind, rnd, arrays)
 
 
 def shifted(arrays, by: float):
     return OrderedDict((k, (v + by).astype(v.dtype)) for k, v in arrays.items())
 
 
-def starts(rt: ClientRuntime, monkeypatch) -> list:
-    """The trainable arrays each local training starts from."""
-    seen = []
-    original = ClientRuntime.train_local
-
-    def train_local(self, *args, **kwargs):
-        seen.append(self.model.get_trainable())
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(ClientRuntime, "train_local", train_local)
-    return seen
-
-
 def test_a_sites_first_round_trains_the_global_model_and_later_rounds_blend(tmp_path, monkeypatch):
     rt = site(tmp_path, **{"ala-max-epochs": 12})
-    seen = starts(rt, monkeypatch)
+    seen = training_starts(monkeypatch)
     g1 = shifted(rt.initial_arrays, 0.01)
     first = send(rt, "train", 1, g1)
     assert first["metrics"]["ala_epochs"] == 0
@@ -203,7 +177,7 @@ def test_a_sites_first_round_trains_the_global_model_and_later_rounds_blend(tmp_
 
 def test_a_restarted_site_goes_on_with_the_same_weights_and_local_model(tmp_path, monkeypatch):
     rt = site(tmp_path, **{"ala-max-epochs": 11})
-    seen = starts(rt, monkeypatch)
+    seen = training_starts(monkeypatch)
     send(rt, "train", 1, shifted(rt.initial_arrays, 0.01))
     send(rt, "train", 2, shifted(rt.initial_arrays, -0.01))
     in_memory = FedALAClient(rt).personal().load(before=3)

@@ -2,18 +2,16 @@
 the B matrices and head kept on each site (across rounds and a restart), the adapter check, and a short run."""
 
 from collections import OrderedDict
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
-from flwr.app import ConfigRecord, Context, RecordDict
+from conftest import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import ClientRuntime, from_record, to_record
+from medflower.strategies.base import from_record
 from medflower.strategies.fedsa import FedSA, FedSAClient, shared_names
 
 NAMES = [
@@ -78,39 +76,17 @@ def test_the_server_averages_the_a_matrices_by_site_size(tiny, monkeypatch, shar
 
 
 # ----------------------------------------------------------------------------- a site, message by message
-def site(tmp_path, **run_config) -> ClientRuntime:
-    cfg = ExperimentConfig.from_run_config({**defaults(), **TINY, "strategy": "fedsa", **run_config})
-    node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state")}
-    context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={})
-    return ClientRuntime(cfg, context, {"round": 0}, 0, 2)
+def site(tmp_path, **run_config):
+    return site_runtime(tmp_path, "fedsa", **run_config)
 
 
-def message(rnd: int, arrays) -> SimpleNamespace:
-    return SimpleNamespace(content=RecordDict({"arrays": to_record(arrays), "config": ConfigRecord({"round": rnd})}))
-
-
-def send(rt: ClientRuntime, kind: str, rnd: int, arrays) -> RecordDict:
-    rt.config["round"] = rnd
-    client = FedSAClient(rt)
-    return client.train(message(rnd, arrays)) if kind == "train" else client.evaluate(message(rnd, arrays))
-
-
-def starts(monkeypatch) -> list:
-    """The trainable arrays each local training starts from."""
-    seen = []
-    original = ClientRuntime.train_local
-
-    def train_local(self, *args, **kwargs):
-        seen.append(self.model.get_trainable())
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(ClientRuntime, "train_local", train_local)
-    return seen
+def send(rt, kind: str, rnd: int, arrays):
+    return send_to_site(rt, FedSAClient, kind, rnd, arrays)
 
 
 def test_a_site_trains_the_received_a_with_its_own_b_and_head_across_a_restart(tmp_path, monkeypatch):
     rt = site(tmp_path)
-    seen = starts(monkeypatch)
+    seen = training_starts(monkeypatch)
     initial = rt.initial_arrays
     names = shared_names(initial, "head", False)
     a1 = OrderedDict((k, (initial[k] + 0.01).astype(np.float32)) for k in names)

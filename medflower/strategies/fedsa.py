@@ -18,10 +18,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 import numpy as np
-from flwr.app import Message, RecordDict
 
 from ..options import Option, bad
-from .base import ClientHalf, FederatedStrategy, PersonalState, from_record, register_strategy
+from .base import FederatedStrategy, register_strategy
+from .shared_subset import SharedSubsetClient
 
 LOCAL_LORA = ".lora_B."  # a LoRA B matrix: stays on its site
 
@@ -49,45 +49,18 @@ def shared_names(names: Iterable[str], task_module: str, share_head: bool) -> li
 
 
 # ----------------------------------------------------------------------------- client half
-class FedSAClient(ClientHalf):
-    """Trains (A, B_k, head) from the received A and its own B_k and head; keeps everything, sends A."""
+class FedSAClient(SharedSubsetClient):
+    """Trains (A, B_k, head) from the received A and its own B_k and head; keeps everything, sends A. Its
+    evaluation: the received A (the round's average) with its own B_k and head, the model it trains from next."""
 
-    def personal(self) -> PersonalState:
-        return PersonalState(self.rt, key="fedsa")
+    state_key = "fedsa"
 
-    def _received(self, message: Message) -> OrderedDict[str, np.ndarray]:
+    def shared_names(self) -> list[str]:
         rt = self.rt
-        shared = from_record(message.content["arrays"])
-        expected = shared_names(rt.model.trainable_names(), rt.model.task_module, rt.cfg.fedsa_share_head)
-        if list(shared) != expected:
-            raise ValueError(
-                f"received arrays {list(shared)[:3]}... are not this site's shared FedSA arrays {expected[:3]}..."
-            )
-        return shared
+        return shared_names(rt.model.trainable_names(), rt.model.task_module, rt.cfg.fedsa_share_head)
 
-    def _load(self, before: int, shared: Mapping[str, np.ndarray]) -> None:
-        """The site's own arrays saved before round ``before`` (the seeded initial ones before its first training),
-        with the received shared arrays in place of its own."""
-        rt = self.rt
-        own = self.personal().load(before=before)
-        rt.model.set_trainable(own if own is not None else rt.initial_arrays)
-        rt.model.set_trainable(shared, strict=False)
-
-    def train(self, message: Message) -> RecordDict:
-        rt = self.rt
-        shared = self._received(message)
-        self._load(rt.round, shared)
-        metrics = rt.train_local()
-        trained = rt.model.get_trainable()
-        self.personal().save(rt.round, trained)
-        metrics["num-examples"] = len(rt.data.train)
-        return self.reply(arrays=OrderedDict((k, trained[k]) for k in shared), metrics=metrics)
-
-    def evaluate(self, message: Message) -> RecordDict:
-        """The received A (the round's average) with this site's B_k and head: the model it trains from next."""
-        rt = self.rt
-        self._load(rt.round + 1, self._received(message))
-        return self.reply(metrics=rt.evaluate_splits())
+    def shared_description(self) -> str:
+        return "shared FedSA arrays"
 
 
 # ----------------------------------------------------------------------------- server half

@@ -23,24 +23,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import RecordDict
 from flwr.common.logger import log
 
 from ..models import lowest_adapter_names
 from ..options import Option, non_negative, one_of
 from .base import (
     ArraySpec,
-    ClientHalf,
     FederatedStrategy,
-    PersonalState,
     Reply,
-    from_record,
     register_strategy,
     stack_flat,
     to_record,
     unflatten,
     validate_arrays,
 )
+from .shared_subset import SharedSubsetClient
 
 
 def parse_lat_layers(v: Any) -> int | str:
@@ -230,46 +228,23 @@ def cosine_pull(params: Mapping[str, torch.nn.Parameter], aggregate: Mapping[str
     return extra_loss
 
 
-class SGCAClient(ClientHalf):
+class SGCAClient(SharedSubsetClient):
     """Keeps every trainable array in its personal state; trains with Θ̂_i in place of its lowest adapters."""
 
-    def _received(self, message: Message) -> OrderedDict[str, np.ndarray]:
-        rt = self.rt
-        aggregate = from_record(message.content["arrays"])
-        expected = lowest_adapter_names(rt.model.trainable_names(), rt.cfg.lat_layers)
-        if list(aggregate) != expected:
-            raise ValueError(
-                f"received adapters {list(aggregate)[:3]}... do not match this site's lowest "
-                f"lat-layers={rt.cfg.lat_layers} adapter modules {expected[:3]}..."
-            )
-        return aggregate
+    def shared_names(self) -> list[str]:
+        return lowest_adapter_names(self.rt.model.trainable_names(), self.rt.cfg.lat_layers)
 
-    def _load(self, before: int, aggregate: Mapping[str, np.ndarray]) -> None:
-        rt = self.rt
-        personal = PersonalState(rt).load(before=before)
-        rt.model.set_trainable(personal if personal is not None else rt.initial_arrays)
-        rt.model.set_trainable(aggregate, strict=False)
+    def shared_description(self) -> str:
+        return f"lowest lat-layers={self.rt.cfg.lat_layers} adapter modules"
 
-    def train(self, message: Message) -> RecordDict:
-        rt = self.rt
-        aggregate = self._received(message)
-        self._load(rt.round, aggregate)
-        beta = self.pull_weight()
-        extra = None
-        if beta > 0:
-            rt.model.to(rt.device)
-            anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in aggregate.items()}
-            extra = cosine_pull(rt.model.trainable_parameters(), anchor, beta)
-        metrics = rt.train_local(extra)
-        trained = rt.model.get_trainable()
-        PersonalState(rt).save(rt.round, trained)
-        metrics["num-examples"] = len(rt.data.train)
-        return self.reply(arrays=OrderedDict((k, trained[k]) for k in aggregate), metrics=metrics)
-
-    def evaluate(self, message: Message) -> RecordDict:
-        rt = self.rt
-        self._load(rt.round + 1, self._received(message))
-        return self.reply(metrics=rt.evaluate_splits())
+    def extra_loss(self, shared: Mapping[str, np.ndarray]):
+        """SGCA's cosine pull of the trained adapters towards Θ̂_i, weight β (none for LAT)."""
+        rt, beta = self.rt, self.pull_weight()
+        if beta <= 0:
+            return None
+        rt.model.to(rt.device)
+        anchor = {k: torch.as_tensor(v, device=rt.device) for k, v in shared.items()}
+        return cosine_pull(rt.model.trainable_parameters(), anchor, beta)
 
     def pull_weight(self) -> float:
         """β of the cosine pull (run-config sgca-beta)."""
