@@ -58,7 +58,19 @@ def sent_types(grid) -> Counter:
 
 
 def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
-    assert FOLDING == ["fedala", "fedavg", "feddyn", "fedprox", "fedsa", "fedspeed", "lat", "local", "scaffold", "sgca"]
+    assert FOLDING == [
+        "fedala",
+        "fedavg",
+        "feddbe",
+        "feddyn",
+        "fedprox",
+        "fedsa",
+        "fedspeed",
+        "lat",
+        "local",
+        "scaffold",
+        "sgca",
+    ]
     for name in FOLDING:
         assert STRATEGIES[name].run_round is FederatedStrategy.run_round, name
 
