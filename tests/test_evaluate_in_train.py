@@ -63,6 +63,7 @@ def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
         "fedavg",
         "feddbe",
         "feddyn",
+        "fedheal",
         "fedprox",
         "fedsa",
         "fedspeed",
