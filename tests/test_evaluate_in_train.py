@@ -185,3 +185,13 @@ def test_evaluate_in_train_is_refused_where_the_protocol_needs_an_evaluate_phase
     with pytest.raises(ConfigError) as err:
         ExperimentConfig.from_run_config({**defaults(), "evaluate-in-train": True, **overrides}, check_paths=False)
     assert "evaluate-in-train" in str(err.value) and message in str(err.value)
+
+
+def test_the_deployment_docs_list_the_strategies_that_fold():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    section = text.split("## Fewer messages per round", 1)[1].split("\n## ", 1)[0]
+    paragraph = section.split("It works with the strategies", 1)[1].split("The others refuse it", 1)[0]
+    listed = {name.strip("`") for name in paragraph.replace(",", " ").replace(".", " ").split() if name[0] == "`"}
+    assert listed == set(FOLDING)
