@@ -59,8 +59,7 @@ def strategy(tiny, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:y_pred contains classes not in y_true")
 def test_the_pooled_balanced_accuracy_is_sklearns_on_the_concatenated_predictions(strategy):
-    strategy.record_evaluation(1, [reply(i, site_metrics(y, pred)) for i, (y, pred) in enumerate(SITES)])
-    pooled = strategy.stats.extra
+    pooled = strategy.record_evaluation(1, [reply(i, site_metrics(y, pred)) for i, (y, pred) in enumerate(SITES)])
     y_all, pred_all = np.concatenate([y for y, _ in SITES]), np.concatenate([p for _, p in SITES])
     assert pooled["pooled_balanced_accuracy"] == pytest.approx(balanced_accuracy_score(y_all, pred_all), abs=1e-12)
     assert pooled["pooled_accuracy"] == pytest.approx(accuracy_score(y_all, pred_all), abs=1e-12)
@@ -89,21 +88,21 @@ def test_the_pooled_balanced_accuracy_is_sklearns_on_the_concatenated_prediction
 @pytest.mark.filterwarnings("ignore:y_pred contains classes not in y_true")
 def test_malformed_counts_are_left_out_with_their_reason_and_the_round_goes_on(strategy, bad, reason):
     good = [site_metrics(*SITES[1]), site_metrics(*SITES[2])]
-    strategy.record_evaluation(
+    pooled = strategy.record_evaluation(
         1, [reply(0, {**site_metrics(*SITES[0]), CONFUSION: bad}), reply(1, good[0]), reply(2, good[1])]
     )
     assert len(strategy.stats.rejected) == 1 and strategy.stats.rejected[0].startswith("site-0: ")
     assert reason in strategy.stats.rejected[0]
     expected = pooled_metrics(sum(np.reshape(m[CONFUSION], (C, C)) for m in good))
-    assert {k: strategy.stats.extra[k] for k in expected} == expected and strategy.stats.extra["pooled_sites"] == 2
+    assert {k: pooled[k] for k in expected} == expected and pooled["pooled_sites"] == 2
     logged = strategy.recorder.records("eval")
     assert len(logged) == 3 and CONFUSION not in logged[0] and logged[0]["balanced_accuracy"] > 0  # metrics kept
     assert check_confusion(bad, C, 60.0)[0] is None
 
 
 def test_no_counts_no_pooled_metrics(strategy):
-    strategy.record_evaluation(1, [reply(0, {"dice": 0.8, "n": 4.0})])  # a segmentation site sends no counts
-    assert strategy.stats.extra == {} and strategy.stats.rejected == []
+    pooled = strategy.record_evaluation(1, [reply(0, {"dice": 0.8, "n": 4.0})])  # a segmentation site: no counts
+    assert pooled == {} and strategy.stats.rejected == []
 
 
 def pooled_from_records(evals: list[dict], classes: int = 8) -> dict:
