@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--sites", type=int, default=3, help="SuperNodes (simulated or real)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds (steady state = rounds >= 2)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds (steady state: rounds >= 2; 2..R-1 with the fold)")
     p.add_argument("--strategy", default="fedavg")
     p.add_argument(
         "--run-config",
@@ -203,7 +203,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
                 "run wall s": res["wall_s"],
             }
         )
-    print("\nsteady-state round (mean of rounds >= 2)")
+    print("\nsteady-state round (mean of rounds >= 2; 2..R-1 with the fold)")
     print_table(["mode", "round s", "x sim", "round 1 s", "run wall s"], rows, ".2f")
     for mode, res in results.items():
         print(f"\n{mode}: seconds per phase, the slowest site's message (mean of rounds >= 2)")

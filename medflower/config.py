@@ -550,6 +550,13 @@ class ExperimentConfig:
                 f"strategy {self.strategy!r} needs its own evaluate phase; it works with "
                 f"{', '.join(strategies_with('folds_evaluation'))}",
             )
+        if self.evaluate_in_train and self.dp_target_epsilon > 0:
+            raise bad(
+                "evaluate-in-train",
+                True,
+                f"dp-target-epsilon = {self.dp_target_epsilon:g} may stop the run before a round, which would leave "
+                "the last round trained without its evaluation; leave one of them off",
+            )
         if self.evaluate_in_train and self.secagg:
             raise bad(
                 "evaluate-in-train",

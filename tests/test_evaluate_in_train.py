@@ -179,6 +179,7 @@ def test_a_training_reply_with_a_malformed_evaluation_is_rejected(tiny, monkeypa
         ({"strategy": "fedkei"}, "strategy 'fedkei' needs its own evaluate phase; it works with fedavg, fedprox"),
         ({"strategy": "sift", "sift-variant": "trainable-head"}, "strategy 'sift' needs its own evaluate phase"),
         ({"secagg": True}, "with secagg a training reply carries only the masked update"),
+        ({"dp": "site", "dp-target-epsilon": 100.0}, "would leave the last round trained without its evaluation"),
     ],
 )
 def test_evaluate_in_train_is_refused_where_the_protocol_needs_an_evaluate_phase(overrides, message):
