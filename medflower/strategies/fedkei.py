@@ -44,7 +44,7 @@ from ..data.tasks import (
     site_class_order,
 )
 from ..options import Option, bad, non_negative, one_of, parsed, positive
-from ..training import evaluate, train_epochs
+from ..training import ExtraLoss, evaluate, train_epochs
 from .base import (
     ArraySpec,
     ClientHalf,
@@ -187,11 +187,10 @@ class FedKEIClient(ClientHalf):
             },
         )
 
-    def train(self, message: Message) -> RecordDict:
-        """Initialise the task's module (fresh, a sent module, or Σ α̂_c θ_c), fine-tune, AUC after every epoch."""
+    def initialise(self, message: Message, loss_fn: LossFn, parts: OrderedDict, device: torch.device, train) -> dict:
+        """Set the model's trainable arrays to the task's start (fresh, a sent module, or Σ α̂_c θ_c, Eq. 5) and
+        return metrics about it. A baseline with another initialisation overrides this."""
         rt = self.rt
-        loss_fn, parts, device = self._setup()
-        train, test = self.task_split("train"), self.task_split("test")
         init = start_from(rt.cfg.fedkei_variant, sent="arrays" in message.content.array_records)
         metrics: dict[str, Any] = {}
         rt.model.set_trainable(rt.initial_arrays)
@@ -208,6 +207,39 @@ class FedKEIClient(ClientHalf):
             rt.model.set_trainable(module)
             metrics.update({f"alpha_{p}": a.cpu().tolist() for p, a in zip(parts, inner.alphas)})
             metrics.update(alpha_s=time.monotonic() - started, alpha_loss=inner.mean_loss)
+        return metrics
+
+    def finetune_loss(self, message: Message, train) -> ExtraLoss | None:
+        """A term added to the task loss while fine-tuning (none for FedKEI; a baseline's regulariser).
+        Called after ``initialise``, so the model holds the task's starting module."""
+        return None
+
+    def finetune(self, train, epochs: int, after_epoch, extra_loss: ExtraLoss | None, device: torch.device) -> dict:
+        """Fine-tune the task's module: ``task-epochs`` epochs of the run's optimizer over every trainable
+        parameter. A baseline with its own local update (Per-FedAvg's, FFA-LoRA's frozen A) overrides this."""
+        rt = self.rt
+        return train_epochs(
+            rt.model,
+            make_loader(train, rt.cfg.batch_size, True, rt.seed(1), **rt.loader_options(True)),
+            epochs=epochs,
+            optimizer=rt.optimizer(),
+            device=device,
+            extra_loss=extra_loss,
+            after_epoch=after_epoch,
+            precision=rt.cfg.precision,
+        )
+
+    def upload(self, message: Message, train) -> OrderedDict[str, np.ndarray]:
+        """What leaves the site after the task: its fine-tuned module θ_i^t (adapter + head)."""
+        return self.rt.model.get_trainable()
+
+    def train(self, message: Message) -> RecordDict:
+        """Initialise the task's module, fine-tune, AUC after every epoch, upload the module."""
+        rt = self.rt
+        loss_fn, parts, device = self._setup()
+        train, test = self.task_split("train"), self.task_split("test")
+        metrics = self.initialise(message, loss_fn, parts, device, train)
+        extra_loss = self.finetune_loss(message, train)
 
         test_loader = make_loader(test, rt.cfg.batch_size, False, 0, **rt.loader_options(False))
         curve = [evaluate(rt.model, test_loader, device, precision=rt.cfg.precision)["auc"]]
@@ -220,15 +252,7 @@ class FedKEIClient(ClientHalf):
             clock[0] = time.monotonic()
 
         torch.manual_seed(rt.seed(2))
-        result = train_epochs(
-            rt.model,
-            make_loader(train, rt.cfg.batch_size, True, rt.seed(1), **rt.loader_options(True)),
-            epochs=rt.cfg.task_epochs,
-            optimizer=rt.optimizer(),
-            device=device,
-            after_epoch=after_epoch,
-            precision=rt.cfg.precision,
-        )
+        result = self.finetune(train, rt.cfg.task_epochs, after_epoch, extra_loss, device)
         epochs = np.asarray(curve[1:], dtype=np.float64)
         metrics.update(result)
         metrics.update(
@@ -244,7 +268,7 @@ class FedKEIClient(ClientHalf):
                 "new_class": self.class_order()[self.task],
             }
         )
-        return self.reply(arrays=rt.model.get_trainable(), metrics=metrics)
+        return self.reply(arrays=self.upload(message, train), metrics=metrics)
 
 
 # ----------------------------------------------------------------------------- server half
@@ -373,11 +397,12 @@ class FedKEI(FederatedStrategy):
         }
         return replies
 
-    def run_round(self, grid, task: int) -> None:
+    def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
+        """The fine-tuning message per node: the task's config and what a site starts from (nothing for task 1,
+        ``rand`` or an empty pool; the pool's n_i-weighted mean for ``fedavg-init``; else the K cluster modules
+        after the bi-level phase). A baseline with another initialisation overrides this."""
         variant = self.cfg.fedkei_variant
-        nodes = self.sample_nodes(task)
         extra = self.stats.extra
-        extra.update(task=task, variant=variant, pool_size=len(self.pool))
         if task == 1 or variant == "rand" or len(self.pool) == 0:  # the sites start fresh (``start_from``)
             arrays = None
         elif variant == "fedavg-init":
@@ -400,9 +425,23 @@ class FedKEI(FederatedStrategy):
             if arrays is not None:
                 content["arrays"] = to_record(arrays)
             contents[node] = content
-        replies = self._phase(grid, "train", contents, task, self.spec, "finetune")
+        return contents
+
+    def finetune_spec(self) -> ArraySpec:
+        """The arrays every fine-tuning reply must hold: the module θ (a baseline may add its own)."""
+        return self.spec
+
+    def pool_module(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """The part of a checked fine-tuning reply that joins the knowledge pool: the module θ_i^t."""
+        return arrays
+
+    def run_round(self, grid, task: int) -> None:
+        nodes = self.sample_nodes(task)
+        self.stats.extra.update(task=task, variant=self.cfg.fedkei_variant, pool_size=len(self.pool))
+        contents = self.task_contents(grid, task, nodes)
+        replies = self._phase(grid, "train", contents, task, self.finetune_spec(), "finetune")
         for reply in replies:
-            self.pool.add(task, reply.client, reply.arrays, reply.num_examples)
+            self.pool.add(task, reply.client, self.pool_module(reply.arrays), reply.num_examples)
             self.recorder.log_client(task, reply.client, "eval", reply.metrics, task=task)
         if not replies:
             log(WARNING, "[medflower] task %d: no site finished fine-tuning; the pool is unchanged", task)

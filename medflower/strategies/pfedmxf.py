@@ -57,7 +57,7 @@ from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_c
 from ..models import build_model
 from ..models.qk_delta import LoRAQK, qk_modules, spectral_delta
 from ..options import Option, bad, non_negative, one_of, positive
-from ..training import train_epochs
+from ..training import ExtraLoss, train_epochs
 from .base import (
     ArraySpec,
     ClientHalf,
@@ -103,6 +103,11 @@ class IncrementalClient(ClientHalf):
         """What this site sends after training (besides the head)."""
         raise NotImplementedError
 
+    def training_objective(self, model: torch.nn.Module, train) -> tuple[torch.nn.Module, ExtraLoss | None]:
+        """The module local training calls (the masked model) and a term added to its loss (none). A baseline
+        wraps or regularises here: an EWC penalty, an LwF distillation that needs the batch's inputs."""
+        return model, None
+
     def train(self, message: Message) -> RecordDict:
         rt, cfg = self.rt, self.rt.cfg
         model = rt.model
@@ -123,17 +128,18 @@ class IncrementalClient(ClientHalf):
             lr = rt.optimizer().lr  # lr-decay applies to both groups
             groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": (cfg.head_lr or cfg.lr) * lr / cfg.lr}]
             mask = logit_mask(cfg.classifier, cfg.classes_per_task, self.task, model.head.out_features)
-            masked = MaskedLogits(model, mask)
+            trained, extra_loss = self.training_objective(MaskedLogits(model, mask), train)
             torch.manual_seed(rt.seed(2))
             loader = make_loader(train, cfg.batch_size, True, rt.seed(1), **rt.loader_options(True))
             with frozen_rows(model.head, ~mask):
                 metrics.update(
                     train_epochs(
-                        masked,
+                        trained,
                         loader,
                         epochs=cfg.local_epochs,
                         optimizer=rt.optimizer(),
                         device=rt.device,
+                        extra_loss=extra_loss,
                         param_groups=groups,
                         precision=cfg.precision,
                     )
