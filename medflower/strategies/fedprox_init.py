@@ -1,0 +1,103 @@
+"""FedProx as a FedKEI baseline (Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith, "Federated Optimization in
+Heterogeneous Networks", MLSys 2020), adapted to FedKEI's continual protocol as the FedKEI paper's Table I does.
+
+Task t ≥ 2 starts from the n_i-weighted mean of the knowledge pool (every site's module of every past task, as
+``fedkei-variant='fedavg-init'``); task 1, or a task while the pool is empty, from the fresh seeded module. Local
+fine-tuning adds FedProx's proximal term (μ/2)·‖θ − θ_start‖² (Eq. 2, μ = ``proximal-mu``) toward the module the task
+started from, task 1 included (toward the fresh module). The method as implemented and its decisions:
+docs/methods/baselines.md#fedprox-init-in-fedkeis-protocol.
+
+``PoolMeanInit`` and ``ModuleStartClient`` are the pool-mean start that ``ffa-lora`` and ``per-fedavg`` share.
+
+What leaves a site: after each task its fine-tuned module θ_i^t (adapter + head) and n_i. What comes to a site: the
+pool mean (tasks t ≥ 2). Per task and client 2·|θ| (task 1: |θ|, the upload).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from flwr.app import Message, RecordDict
+
+from ..options import bad
+from ..training import ExtraLoss
+from .base import from_record, register_strategy, to_record, weighted_mean
+from .fedavg import PROXIMAL_MU, proximal_term
+from .fedkei import OPTIONS as FEDKEI_OPTIONS
+from .fedkei import FedKEI, FedKEIClient
+from .fedkei_bilevel import LossFn
+
+
+# ----------------------------------------------------------------------------- the pool-mean start, shared
+class ModuleStartClient(FedKEIClient):
+    """FedKEI's site, starting each task from the module the server sent (else the fresh seeded module)."""
+
+    def initialise(self, message: Message, loss_fn: LossFn, parts: OrderedDict, device: torch.device, train) -> dict:
+        rt = self.rt
+        rt.model.set_trainable(rt.initial_arrays)
+        if "arrays" in message.content.array_records:
+            rt.model.set_trainable(from_record(message.content["arrays"]))
+        return {}
+
+
+class PoolMeanInit(FedKEI):
+    """FedKEI's server with the pool-mean start: nothing for task 1 (or an empty pool), else the n_i-weighted mean
+    of every pooled module. Not a strategy itself; the baselines below subclass it."""
+
+    client_half = ModuleStartClient
+    extra_actions = ()  # no bi-level phase
+
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        if cfg.fedkei_variant != "full":
+            raise bad(
+                "fedkei-variant",
+                cfg.fedkei_variant,
+                f"picks fedkei's initialisation; strategy {cls.name!r} has its own (leave fedkei-variant unset)",
+            )
+
+    def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
+        arrays = None
+        if task > 1 and len(self.pool) > 0:
+            arrays = weighted_mean(self.pool.modules, self.shares([e.num_examples for e in self.pool.entries]))
+        contents = {}
+        for node in nodes:
+            content = RecordDict({"config": self.base_config(task)})
+            if arrays is not None:
+                content["arrays"] = to_record(arrays)
+            contents[node] = content
+        return contents
+
+    def summary_extra(self) -> dict[str, Any]:
+        summary = dict(super().summary_extra())
+        summary.pop("variant", None)  # fedkei's variants do not apply
+        return summary
+
+
+# ----------------------------------------------------------------------------- fedprox-init
+class FedProxInitClient(ModuleStartClient):
+    """Fine-tunes with (μ/2)·‖θ − θ_start‖² added to the task loss; sends the module."""
+
+    def finetune_loss(self, message: Message, train) -> ExtraLoss | None:
+        rt = self.rt
+        if rt.cfg.proximal_mu == 0:
+            return None
+        rt.model.to(rt.device)
+        anchor = {k: p.detach().clone() for k, p in rt.model.trainable_parameters().items()}  # θ_start, just set
+        return proximal_term(rt.model, anchor, rt.cfg.proximal_mu)
+
+
+@register_strategy
+class FedProxInit(PoolMeanInit):
+    """FedProx (Li et al., MLSys 2020) in FedKEI's continual protocol: task t starts from the n_i-weighted mean of the
+    pool; fine-tuning adds (μ/2)·‖θ − θ_start‖² (``proximal-mu``), in task 1 toward the fresh module.
+
+    Leaves a site: its module θ_i^t after every task (adapter + head) and n_i; with each task's metrics its test size
+    and number of positive test images (n_test, n_test_positive).
+    """
+
+    name = "fedprox-init"
+    client_half = FedProxInitClient
+    options = (*FEDKEI_OPTIONS, PROXIMAL_MU)
