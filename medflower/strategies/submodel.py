@@ -480,9 +480,10 @@ class SubModelStrategy(FederatedStrategy):
     def merge_weight(self, reply: Reply) -> float:
         return reply.num_examples
 
-    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+    def valid_replies(self, replies: list[Reply]) -> list[Reply]:
+        """The replies whose kept indices are distinct, sorted neurons in range; the others are rejected."""
         valid = []
-        for reply in replies:  # kept indices must be distinct global neurons
+        for reply in replies:
             bad = [ffn for ffn, width in self.ffn_width.items() if not _valid_indices(reply.arrays[KEPT + ffn], width)]
             if bad:
                 self.stats.rejected.append(
@@ -490,6 +491,10 @@ class SubModelStrategy(FederatedStrategy):
                 )
                 continue
             valid.append(reply)
+        return valid
+
+    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
+        valid = self.valid_replies(replies)
         if not valid:
             return
         parts = [{k: v for k, v in r.arrays.items() if not k.startswith(KEPT)} for r in valid]
