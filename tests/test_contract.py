@@ -98,7 +98,17 @@ CASES: dict[str, Case] = {
     "pfedmxf": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
     "fedstack": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
     "fedavg-lora": Case(INCREMENTAL, rounds=4, why="stops inside task 2, where the averaged LoRA carries over"),
-    **{name: Case(SUB_MODELS) for name in ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "ditto")},
+    "inflora": Case(
+        INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1: the resumed run designs task 2's A"
+    ),
+    "lwf-lora": Case(INCREMENTAL, rounds=4, why="stops inside task 2, where the old head rows carry over"),
+    "fedcurv-lora": Case(
+        INCREMENTAL, rounds=4, stop_after=2, why="stops after task 1's Fisher phase: the resumed run sends its penalty"
+    ),
+    **{
+        name: Case(SUB_MODELS)
+        for name in ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "ditto", "matfl", "fedhca2")
+    },
     "submodel-local": Case(
         SUB_MODELS,
         arrays_up=False,
@@ -113,6 +123,9 @@ XFAIL: dict[tuple[str, str], str] = {}
 
 
 def case_of(name: str) -> Case:
+    """The strategy's case; a FedKEI baseline without its own (a subclass of fedkei's server) walks fedkei's tasks."""
+    if name not in CASES and "fedkei" in STRATEGIES and issubclass(STRATEGIES[name], STRATEGIES["fedkei"]):
+        return CASES["fedkei"]
     return CASES.get(name, Case())
 
 

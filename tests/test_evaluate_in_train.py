@@ -65,6 +65,7 @@ def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
         "feddyn",
         "fedheal",
         "fedprox",
+        "fedra",
         "fedsa",
         "fedspeed",
         "lat",
