@@ -192,6 +192,7 @@ class Apple(FedKEI):
 
     name = "apple"
     client_half = AppleClient
+    uses_variants = False  # its own start: fedkei-variant is refused
     options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *APPLE_OPTIONS)
     extra_actions = ()
 
@@ -212,8 +213,3 @@ class Apple(FedKEI):
                 content = RecordDict({"config": self.base_config(task)})
             contents[node] = content
         return contents
-
-    def summary_extra(self) -> dict[str, Any]:
-        summary = super().summary_extra()
-        summary.pop("variant", None)  # fedkei-variant plays no part here
-        return summary

@@ -111,6 +111,7 @@ class FedAMP(FedKEI):
 
     name = "fedamp"
     client_half = FedAMPClient
+    uses_variants = False  # its own start: fedkei-variant is refused
     options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *FEDAMP_OPTIONS)
     extra_actions = ()
 
@@ -141,8 +142,3 @@ class FedAMP(FedKEI):
         if weights:
             self.stats.extra["fedamp_weights"] = weights
         return contents
-
-    def summary_extra(self) -> dict[str, Any]:
-        summary = super().summary_extra()
-        summary.pop("variant", None)  # fedkei-variant plays no part here
-        return summary

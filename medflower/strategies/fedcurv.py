@@ -44,7 +44,6 @@ from ..models.qk_delta import qk_modules
 from ..options import Option, non_negative, one_of
 from ..training import ExtraLoss
 from .base import ArraySpec, Reply, from_record, register_strategy, to_record, weighted_mean
-from .continual_report import continual_summary
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, FedKEIClient
 from .fedkei_bilevel import split_parts
@@ -268,6 +267,7 @@ class FedCurv(FedKEI):
 
     name = "fedcurv"
     client_half = FedCurvClient
+    uses_variants = False  # its own start: fedkei-variant is refused
     options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), LAMBDA, DOWNLINK)
     extra_actions = ()
 
@@ -344,9 +344,6 @@ class FedCurv(FedKEI):
             client: (int(task), OrderedDict((k, np.array(arrays[f"{FISHER}{client}/{k}"])) for k in self.spec))
             for client, task in meta.get("fisher_tasks", {}).items()
         }
-
-    def summary_extra(self) -> dict[str, Any]:
-        return continual_summary(self.recorder.records("eval"))
 
 
 # ----------------------------------------------------------------------------- fedcurv-lora: class-incremental

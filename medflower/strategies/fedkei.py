@@ -335,11 +335,21 @@ class FedKEI(FederatedStrategy):
     tasks = ("classification",)  # a stream of binary tasks: the new class vs the classes seen before
     extra_actions = (("train", "fedkei_inner"),)
     round_label = "task"
+    uses_variants = True  # fedkei-variant picks the start; a baseline with its own start sets False (and refuses it)
     report = ContinualReport  # summary.md: the per-task table; curves.png: AUC per epoch, task after task
 
     @classmethod
     def model_classes(cls, num_classes: int) -> int:
         return 2  # every task is binary: the new class vs the classes seen before
+
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        if not cls.uses_variants and cfg.fedkei_variant != "full":
+            raise bad(
+                "fedkei-variant",
+                cfg.fedkei_variant,
+                f"picks fedkei's initialisation; strategy {cls.name!r} has its own (leave fedkei-variant unset)",
+            )
 
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         cfg = self.cfg
@@ -354,9 +364,9 @@ class FedKEI(FederatedStrategy):
                 raise bad("fedkei-site-classes", cfg.fedkei_site_classes, str(exc)) from exc
         log(
             INFO,
-            "[medflower] fedkei (variant %s, %s gradient): %d tasks; module %d adapter + %d head parameters",
-            cfg.fedkei_variant,
-            gradient_mode(cfg),
+            "[medflower] %s (%s): %d tasks; module %d adapter + %d head parameters",
+            self.name,
+            f"variant {cfg.fedkei_variant}, {gradient_mode(cfg)} gradient" if self.uses_variants else "its own start",
             self.num_tasks,
             *(part_width(spec) for spec in self.parts.values()),
         )
@@ -419,6 +429,13 @@ class FedKEI(FederatedStrategy):
             if variant in ("C", "full"):
                 beta = self.bilevel_step(grid, task, nodes, beta, pools)
             arrays = OrderedDict((p, cluster_modules(beta[p], pools[p])) for p in self.parts)
+        return self.start_contents(task, nodes, arrays)
+
+    def start_contents(
+        self, task: int, nodes: list[int], arrays: Mapping[str, np.ndarray] | None
+    ) -> dict[int, RecordDict]:
+        """One fine-tuning message per node: the task's config and, unless ``arrays`` is None (a fresh start), the
+        same module or cluster modules to start from."""
         contents = {}
         for node in nodes:
             content = RecordDict({"config": self.base_config(task)})
@@ -437,7 +454,9 @@ class FedKEI(FederatedStrategy):
 
     def run_round(self, grid, task: int) -> None:
         nodes = self.sample_nodes(task)
-        self.stats.extra.update(task=task, variant=self.cfg.fedkei_variant, pool_size=len(self.pool))
+        self.stats.extra.update(task=task, pool_size=len(self.pool))
+        if self.uses_variants:
+            self.stats.extra["variant"] = self.cfg.fedkei_variant
         contents = self.task_contents(grid, task, nodes)
         replies = self._phase(grid, "train", contents, task, self.finetune_spec(), "finetune")
         for reply in replies:
@@ -471,4 +490,5 @@ class FedKEI(FederatedStrategy):
         return updated
 
     def summary_extra(self) -> dict[str, Any]:
-        return {"variant": self.cfg.fedkei_variant, **continual_summary(self.recorder.records("eval"))}
+        summary = continual_summary(self.recorder.records("eval"))
+        return {"variant": self.cfg.fedkei_variant, **summary} if self.uses_variants else summary

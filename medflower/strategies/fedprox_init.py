@@ -16,14 +16,12 @@ pool mean (tasks t ≥ 2). Per task and client 2·|θ| (task 1: |θ|, the upload
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 import torch
 from flwr.app import Message, RecordDict
 
-from ..options import bad
 from ..training import ExtraLoss
-from .base import from_record, register_strategy, to_record, weighted_mean
+from .base import from_record, register_strategy, weighted_mean
 from .fedavg import PROXIMAL_MU, proximal_term
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, FedKEIClient
@@ -47,33 +45,14 @@ class PoolMeanInit(FedKEI):
     of every pooled module. Not a strategy itself; the baselines below subclass it."""
 
     client_half = ModuleStartClient
+    uses_variants = False  # its own start: fedkei-variant is refused
     extra_actions = ()  # no bi-level phase
-
-    @classmethod
-    def check_config(cls, cfg, check_paths: bool) -> None:
-        if cfg.fedkei_variant != "full":
-            raise bad(
-                "fedkei-variant",
-                cfg.fedkei_variant,
-                f"picks fedkei's initialisation; strategy {cls.name!r} has its own (leave fedkei-variant unset)",
-            )
 
     def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
         arrays = None
         if task > 1 and len(self.pool) > 0:
             arrays = weighted_mean(self.pool.modules, self.shares([e.num_examples for e in self.pool.entries]))
-        contents = {}
-        for node in nodes:
-            content = RecordDict({"config": self.base_config(task)})
-            if arrays is not None:
-                content["arrays"] = to_record(arrays)
-            contents[node] = content
-        return contents
-
-    def summary_extra(self) -> dict[str, Any]:
-        summary = dict(super().summary_extra())
-        summary.pop("variant", None)  # fedkei's variants do not apply
-        return summary
+        return self.start_contents(task, nodes, arrays)
 
 
 # ----------------------------------------------------------------------------- fedprox-init

@@ -36,7 +36,7 @@ from ..data import make_loader
 from ..models.qk_delta import qk_modules
 from ..options import Option, non_negative, positive
 from ..training import ExtraLoss, train_epochs
-from .base import from_record, register_strategy, to_record, weighted_mean
+from .base import from_record, register_strategy, weighted_mean
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, FedKEIClient
 from .pfedmxf import HEAD, INCREMENTAL_OPTIONS, FedAvgLoRA, LoRAClient
@@ -188,6 +188,7 @@ class FLwF(FedKEI):
 
     name = "flwf"
     client_half = FLwFClient
+    uses_variants = False  # its own start: fedkei-variant is refused
     options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *LWF_OPTIONS)
     extra_actions = ()
 
@@ -200,18 +201,7 @@ class FLwF(FedKEI):
             chosen = [(e, m) for e, m in zip(self.pool.entries, self.pool.modules) if e.task == latest]
             arrays = weighted_mean([m for _, m in chosen], self.shares([e.num_examples for e, _ in chosen]))
             self.stats.extra["teacher_task"] = latest
-        contents = {}
-        for node in nodes:
-            content = RecordDict({"config": self.base_config(task)})
-            if arrays is not None:
-                content["arrays"] = to_record(arrays)
-            contents[node] = content
-        return contents
-
-    def summary_extra(self) -> dict[str, Any]:
-        summary = super().summary_extra()
-        summary.pop("variant", None)  # fedkei-variant plays no part here
-        return summary
+        return self.start_contents(task, nodes, arrays)
 
 
 # ----------------------------------------------------------------------------- class-incremental protocol: lwf-lora
