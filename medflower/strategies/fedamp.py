@@ -15,9 +15,6 @@ u_i and the step α_k (``fedamp-alpha``, by default σ/(M − 1), which keeps ev
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
-
 import numpy as np
 import torch
 from flwr.app import Message, RecordDict
@@ -28,7 +25,7 @@ from .apple import latest_modules
 from .base import from_record, register_strategy, stack_flat, to_record, unflatten
 from .fedavg import proximal_term
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, FedKEIClient
+from .fedkei import FedKEI, ModuleStartClient
 
 FEDAMP_OPTIONS = (
     Option(
@@ -77,15 +74,8 @@ def attention_weights(modules: np.ndarray, i: int, alpha: float, sigma: float) -
     return xi
 
 
-class FedAMPClient(FedKEIClient):
+class FedAMPClient(ModuleStartClient):
     """A site's task: start from the received cloud model u_i, fine-tune with (λ/2α)·‖θ − u_i‖², upload θ_i^t."""
-
-    def initialise(self, message: Message, loss_fn, parts: OrderedDict, device: torch.device, train) -> dict[str, Any]:
-        rt = self.rt
-        rt.model.set_trainable(rt.initial_arrays)
-        if "arrays" in message.content.array_records:
-            rt.model.set_trainable(from_record(message.content["arrays"]))
-        return {}
 
     def finetune_loss(self, message: Message, train) -> ExtraLoss | None:
         """(λ/2α)·‖θ − u_i‖² over the module (FedAMP's local objective); none without u_i (task 1) or with λ = 0."""

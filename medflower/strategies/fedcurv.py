@@ -45,7 +45,7 @@ from ..options import Option, non_negative, one_of
 from ..training import ExtraLoss
 from .base import ArraySpec, Reply, from_record, register_strategy, to_record, weighted_mean
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, FedKEIClient
+from .fedkei import FedKEI, ModuleStartClient
 from .fedkei_bilevel import split_parts
 from .incremental_heads import logit_mask
 from .pfedmxf import HEAD, INCREMENTAL_OPTIONS, FedAvgLoRA, LoRAClient
@@ -221,16 +221,9 @@ def fisher_problem(arrays: Mapping[str, np.ndarray]) -> str | None:
 
 
 # ----------------------------------------------------------------------------- fedcurv: FedKEI's protocol
-class FedCurvClient(FedKEIClient):
+class FedCurvClient(ModuleStartClient):
     """Starts from the sent module (fresh without one), fine-tunes with λ times the received quadratic, uploads the
     module and its Fisher on the task's training split."""
-
-    def initialise(self, message: Message, loss_fn, parts, device: torch.device, train) -> dict:
-        rt = self.rt
-        rt.model.set_trainable(rt.initial_arrays)
-        if "arrays" in message.content.array_records:
-            rt.model.set_trainable(from_record(message.content["arrays"]))
-        return {}
 
     def finetune_loss(self, message: Message, train) -> ExtraLoss | None:
         self.quadratic = None

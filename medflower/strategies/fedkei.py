@@ -271,6 +271,18 @@ class FedKEIClient(ClientHalf):
         return self.reply(arrays=self.upload(message, train), metrics=metrics)
 
 
+class ModuleStartClient(FedKEIClient):
+    """FedKEI's site for a baseline that sends one module to start from: the sent module, else (task 1, an empty
+    pool) the fresh seeded one."""
+
+    def initialise(self, message: Message, loss_fn: LossFn, parts: OrderedDict, device: torch.device, train) -> dict:
+        rt = self.rt
+        rt.model.set_trainable(rt.initial_arrays)
+        if "arrays" in message.content.array_records:
+            rt.model.set_trainable(from_record(message.content["arrays"]))
+        return {}
+
+
 # ----------------------------------------------------------------------------- server half
 VARIANTS = ("full", "A", "B", "C", "rand", "fedavg-init")
 

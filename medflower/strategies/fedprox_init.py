@@ -7,7 +7,8 @@ fine-tuning adds FedProx's proximal term (μ/2)·‖θ − θ_start‖² (Eq. 2,
 started from, task 1 included (toward the fresh module). The method as implemented and its decisions:
 docs/methods/baselines.md#fedprox-init-in-fedkeis-protocol.
 
-``PoolMeanInit`` and ``ModuleStartClient`` are the pool-mean start that ``ffa-lora`` and ``per-fedavg`` share.
+``PoolMeanInit`` is the pool-mean start that ``ffa-lora`` and ``per-fedavg`` share (their sites start from the sent
+module: ``fedkei.ModuleStartClient``).
 
 What leaves a site: after each task its fine-tuned module θ_i^t (adapter + head) and n_i. What comes to a site: the
 pool mean (tasks t ≥ 2). Per task and client 2·|θ| (task 1: |θ|, the upload).
@@ -15,31 +16,16 @@ pool mean (tasks t ≥ 2). Per task and client 2·|θ| (task 1: |θ|, the upload
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-import torch
 from flwr.app import Message, RecordDict
 
 from ..training import ExtraLoss
-from .base import from_record, register_strategy, weighted_mean
+from .base import register_strategy, weighted_mean
 from .fedavg import PROXIMAL_MU, proximal_term
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, FedKEIClient
-from .fedkei_bilevel import LossFn
+from .fedkei import FedKEI, ModuleStartClient
 
 
 # ----------------------------------------------------------------------------- the pool-mean start, shared
-class ModuleStartClient(FedKEIClient):
-    """FedKEI's site, starting each task from the module the server sent (else the fresh seeded module)."""
-
-    def initialise(self, message: Message, loss_fn: LossFn, parts: OrderedDict, device: torch.device, train) -> dict:
-        rt = self.rt
-        rt.model.set_trainable(rt.initial_arrays)
-        if "arrays" in message.content.array_records:
-            rt.model.set_trainable(from_record(message.content["arrays"]))
-        return {}
-
-
 class PoolMeanInit(FedKEI):
     """FedKEI's server with the pool-mean start: nothing for task 1 (or an empty pool), else the n_i-weighted mean
     of every pooled module. Not a strategy itself; the baselines below subclass it."""

@@ -25,7 +25,8 @@ from flwr.app import Message
 from ..options import bad
 from .base import from_record, register_strategy
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedprox_init import ModuleStartClient, PoolMeanInit
+from .fedkei import ModuleStartClient
+from .fedprox_init import PoolMeanInit
 
 FROZEN_LORA = ".lora_A."  # a LoRA A matrix: frozen at its seeded initialisation, never sent
 

@@ -38,7 +38,8 @@ from ..training.loops import autocast
 from ..training.losses import task_loss
 from .base import register_strategy
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedprox_init import ModuleStartClient, PoolMeanInit
+from .fedkei import ModuleStartClient
+from .fedprox_init import PoolMeanInit
 
 PERFEDAVG_ALPHA = Option(
     "perfedavg-alpha",
