@@ -35,6 +35,14 @@ def run_dir_of(config: dict) -> Path:
     return Path(config["output-dir"]) / config["run-name"]
 
 
+# The sub-model family's mixed federation: 2 segmentation sites and 1 classification site of three capacities.
+MIXED_TASKS = {
+    "dataset": "synthetic-seg",
+    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
+    "fedbkd-capacities": "0.5,0.125,0.25",
+    "synthetic-size": 160,
+}
+
 # The class-incremental strategies' small setting: 2 tasks of 2 classes, 2 rounds each, QBLI sites.
 INCREMENTAL = {
     "num-tasks": 2,

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import INCREMENTAL, TINY, records, run_dir_of
+from conftest import INCREMENTAL, MIXED_TASKS, TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, Message
 from safetensors.numpy import load_file
 
@@ -68,12 +68,7 @@ class Case:
 
 
 SGD = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05}  # scaffold refuses adaptive optimizers
-SUB_MODELS = {
-    "dataset": "synthetic-seg",
-    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
-    "fedbkd-capacities": "0.5,0.125,0.25",
-    "synthetic-size": 160,
-}  # 2 segmentation sites, 1 classification
+SUB_MODELS = MIXED_TASKS  # 2 segmentation sites, 1 classification
 METRICS_ONLY = (
     "exempt from corrupting an array: its training reply carries metrics only (the model stays on the "
     "site); an unexpected array is injected instead and must be rejected all the same"

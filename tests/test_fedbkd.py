@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import records, run_dir_of
+from conftest import MIXED_TASKS, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
@@ -16,10 +16,7 @@ from medflower.models.ffn_slices import kept_count
 from medflower.strategies import submodel
 
 MIXED = {
-    "dataset": "synthetic-seg",
-    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
-    "fedbkd-capacities": "0.5,0.125,0.25",
-    "synthetic-size": 160,
+    **MIXED_TASKS,
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"

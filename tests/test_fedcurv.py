@@ -171,19 +171,17 @@ def sent(grid, action: str, rnd: int):
 
 def spy_fishers(monkeypatch) -> dict:
     """Every accepted fine-tuning reply's module and Fisher, by (task, site)."""
-    seen, original = {}, fc.FedCurv._phase
+    seen, original = {}, fc.FedCurv.finetuned
 
-    def spy(self, grid, action, contents, task, expect, phase):
-        replies = original(self, grid, action, contents, task, expect, phase)
-        for r in replies:
-            seen[(task, r.client)] = (
-                OrderedDict((k, r.arrays[k]) for k in self.spec),
-                OrderedDict((k, r.arrays[fc.FISHER + k]) for k in self.spec),
-                r.num_examples,
-            )
-        return replies
+    def spy(self, task, reply):
+        seen[(task, reply.client)] = (
+            OrderedDict((k, reply.arrays[k]) for k in self.spec),
+            OrderedDict((k, reply.arrays[fc.FISHER + k]) for k in self.spec),
+            reply.num_examples,
+        )
+        return original(self, task, reply)
 
-    monkeypatch.setattr(fc.FedCurv, "_phase", spy)
+    monkeypatch.setattr(fc.FedCurv, "finetuned", spy)
     return seen
 
 

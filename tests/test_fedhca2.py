@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import cvxpy as cp
 import numpy as np
 import pytest
-from conftest import records, run_dir_of
+from conftest import MIXED_TASKS, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import InProcessGrid, run_inprocess
@@ -27,10 +27,7 @@ from medflower.strategies.fedhca2 import (
 
 MIXED = {
     "strategy": "fedhca2",
-    "dataset": "synthetic-seg",
-    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
-    "fedbkd-capacities": "0.5,0.125,0.25",
-    "synthetic-size": 160,
+    **MIXED_TASKS,
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"

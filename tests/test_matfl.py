@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
+from conftest import MIXED_TASKS, TINY, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
@@ -222,10 +222,7 @@ def test_a_reply_with_repeated_neurons_is_rejected_and_left_out_of_the_groups():
 
 
 MIXED = {
-    "dataset": "synthetic-seg",
-    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
-    "fedbkd-capacities": "0.5,0.125,0.25",
-    "synthetic-size": 160,
+    **MIXED_TASKS,
     "num-rounds": 2,
     "strategy": "matfl",
 }

@@ -306,23 +306,16 @@ class FedCurv(FedKEI):
     def finetune_spec(self) -> ArraySpec:
         return OrderedDict([*self.spec.items(), *((FISHER + k, s) for k, s in self.spec.items())])
 
-    def pool_module(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        return OrderedDict((k, arrays[k]) for k in self.spec)
-
     def check_reply_values(self, phase: str, reply: Reply) -> str | None:
         return super().check_reply_values(phase, reply) or fisher_problem(reply.arrays)
 
-    def _phase(self, grid, action, contents, task, expect, phase) -> list[Reply]:
-        replies = super()._phase(grid, action, contents, task, expect, phase)
-        if action == "train":  # keep each site's newest Fisher (its module joins the pool)
-            parts = split_parts(self.spec)
-            means = {}
-            for reply in replies:
-                fisher = OrderedDict((k, np.array(reply.arrays[FISHER + k])) for k in self.spec)
-                self.fishers[reply.client] = (task, fisher)
-                means[reply.client] = {p: part_mean(fisher, spec) for p, spec in parts.items()}
-            self.stats.extra["fisher_mean"] = means
-        return replies
+    def finetuned(self, task: int, reply: Reply) -> None:
+        """The module joins the pool; the site's Fisher replaces its previous one (the penalty's anchor)."""
+        super().finetuned(task, reply)
+        fisher = OrderedDict((k, np.array(reply.arrays[FISHER + k])) for k in self.spec)
+        self.fishers[reply.client] = (task, fisher)
+        means = self.stats.extra.setdefault("fisher_mean", {})
+        means[reply.client] = {p: part_mean(fisher, spec) for p, spec in split_parts(self.spec).items()}
 
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:
         arrays, meta = super().state()

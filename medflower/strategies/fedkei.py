@@ -460,9 +460,11 @@ class FedKEI(FederatedStrategy):
         """The arrays every fine-tuning reply must hold: the module θ (a baseline may add its own)."""
         return self.spec
 
-    def pool_module(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        """The part of a checked fine-tuning reply that joins the knowledge pool: the module θ_i^t."""
-        return arrays
+    def finetuned(self, task: int, reply: Reply) -> None:
+        """A checked fine-tuning reply: its module θ_i^t joins the knowledge pool (the pool keeps the model's arrays
+        only) and its metrics are the task's record. A baseline that uploads more (a Fisher) keeps it here."""
+        self.pool.add(task, reply.client, reply.arrays, reply.num_examples)
+        self.recorder.log_client(task, reply.client, "eval", reply.metrics, task=task)
 
     def run_round(self, grid, task: int) -> None:
         nodes = self.sample_nodes(task)
@@ -472,8 +474,7 @@ class FedKEI(FederatedStrategy):
         contents = self.task_contents(grid, task, nodes)
         replies = self._phase(grid, "train", contents, task, self.finetune_spec(), "finetune")
         for reply in replies:
-            self.pool.add(task, reply.client, self.pool_module(reply.arrays), reply.num_examples)
-            self.recorder.log_client(task, reply.client, "eval", reply.metrics, task=task)
+            self.finetuned(task, reply)
         if not replies:
             log(WARNING, "[medflower] task %d: no site finished fine-tuning; the pool is unchanged", task)
 
