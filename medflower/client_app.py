@@ -21,7 +21,13 @@ from .site_worker import forward, message_record, uses_worker
 
 # The strategies' message actions beyond query/train/evaluate (their ``extra_actions``; tests/test_site_worker.py
 # checks this list against them, so that registering them does not import every strategy).
-EXTRA_ACTIONS = (("train", "fedkei_inner"), ("train", "inflora_stats"), ("train", "fedcurv_fisher"))
+EXTRA_ACTIONS = (
+    ("train", "fedkei_inner"),
+    ("train", "inflora_stats"),
+    ("train", "fedcurv_fisher"),
+    ("train", "fedga_gap"),
+    ("train", "elcfs_amplitudes"),
+)
 
 app = ClientApp()
 

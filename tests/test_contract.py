@@ -90,6 +90,11 @@ CASES: dict[str, Case] = {
         why="walks tasks; task 1 starts from a fresh module (nothing sent down); a fine-tuning reply is "
         "logged as the task's 'eval' record",
     ),
+    "elcfs": Case(
+        {"num-tasks": 3, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01},
+        train_kind="eval",
+        why="walks fedkei's tasks; task 1's fine-tuning messages carry the other sites' amplitude windows",
+    ),
     "pfedmxf": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
     "fedstack": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
     "fedavg-lora": Case(INCREMENTAL, rounds=4, why="stops inside task 2, where the averaged LoRA carries over"),
