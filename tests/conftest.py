@@ -10,6 +10,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # decoded-image cache of the simulated sites (docs/data.md#decoded-image-cache): one fresh folder per test session
 os.environ.setdefault("MEDFLOWER_CACHE_DIR", tempfile.mkdtemp(prefix="medflower-cache-"))
 
+# Under pytest-xdist (`-n N`, what CI runs) each worker is a process of its own: the cores are split between them
+# rather than every worker's torch using all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """With `--dist loadgroup` a group's tests run on one worker, so a module-scoped fixture is built once: each test
+    file is a group, except that the contract and fault-injection suites are a group per strategy (their module
+    fixture, parametrised by strategy, runs once per strategy)."""
+    for item in items:
+        group = item.nodeid.split("::")[0]
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for fixture in ("runs", "pair"):
+            if fixture in params:
+                group += f":{params[fixture]}"  # no "]": xdist reads a group only after the last "]"
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 # Small and fast: the synthetic source, a ViT-Tiny at 16x16 with 8x8 patches.
 TINY = {
     "dataset": "synthetic",
