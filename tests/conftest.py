@@ -3,7 +3,9 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,8 +15,6 @@ os.environ.setdefault("MEDFLOWER_CACHE_DIR", tempfile.mkdtemp(prefix="medflower-
 # Under pytest-xdist (`-n N`, what CI runs) each worker is a process of its own: the cores are split between them
 # rather than every worker's torch using all of them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    import torch
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
@@ -153,3 +153,29 @@ def training_starts(monkeypatch) -> list:
 
     monkeypatch.setattr(ClientRuntime, "train_local", train_local)
     return seen
+
+
+# A linear model and the half mean-squared error with its gradient in numpy: the meta-learning baselines' steps
+# (Per-FedAvg, ELCFS) checked by hand against them.
+class LinearModel(torch.nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(w, dtype=torch.float64))
+        self.b = torch.nn.Parameter(torch.tensor(b, dtype=torch.float64))
+
+    def forward(self, x):
+        return x @ self.w + self.b
+
+
+def half_mse(pred, y):
+    """f = ½·mean((x·w + b − y)²): ∇_w = Xᵀr/n, ∇_b = mean(r) with r = Xw + b − y."""
+    return 0.5 * ((pred - y) ** 2).mean()
+
+
+def half_mse_gradient(p, x, y):
+    r = x @ p["w"] + p["b"] - y
+    return {"w": x.T @ r / len(y), "b": np.array([r.mean()])}
+
+
+def half_mse_loss(p, x, y):
+    return 0.5 * np.mean((x @ p["w"] + p["b"] - y) ** 2)

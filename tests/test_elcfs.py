@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of, site_runtime
+from conftest import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 from flwr.app import Array, ConfigRecord, RecordDict
 
 from medflower.config import ExperimentConfig, defaults
@@ -96,27 +96,6 @@ def test_the_mix_keeps_pixels_in_range_and_is_seeded():
 
 
 # ----------------------------------------------------------------------------- the episodic step
-class Linear(torch.nn.Module):
-    def __init__(self, w, b):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(w, dtype=torch.float64))
-        self.b = torch.nn.Parameter(torch.tensor(b, dtype=torch.float64))
-
-    def forward(self, x):
-        return x @ self.w + self.b
-
-
-def half_mse(pred, y):
-    return 0.5 * ((pred - y) ** 2).mean()
-
-
-def grad_np(p, x, y):
-    r = x @ p["w"] + p["b"] - y
-    return {"w": x.T @ r / len(y), "b": np.array([r.mean()])}
-
-
-def loss_np(p, x, y):
-    return 0.5 * np.mean((x @ p["w"] + p["b"] - y) ** 2)
 
 
 def tilde(x):
@@ -128,7 +107,7 @@ W0 = {"w": np.array([0.5, -1.0, 2.0]), "b": np.array([0.3])}
 
 
 def step(second_order, beta, lr):
-    model = Linear(W0["w"], W0["b"])
+    model = LinearModel(W0["w"], W0["b"])
     metrics = el.episodic_steps(
         model,
         [(torch.tensor(x), torch.tensor(y)) for x, y in BATCHES],
@@ -148,12 +127,12 @@ def test_the_first_order_step_is_the_inner_gradient_plus_the_outer_gradient_at_t
     clipped = False
     inner, outer = [], []
     for x, y in BATCHES:
-        g = grad_np(w, x, y)
+        g = half_mse_gradient(w, x, y)
         clipped |= any(np.abs(v).max() > 100 for v in g.values())
         fast = {k: w[k] - beta * np.clip(g[k], -100, 100) for k in w}  # θ' (the authors clip at ±100)
-        g_out = grad_np(fast, tilde(x), y)
-        inner.append(loss_np(w, x, y))
-        outer.append(loss_np(fast, tilde(x), y))
+        g_out = half_mse_gradient(fast, tilde(x), y)
+        inner.append(half_mse_loss(w, x, y))
+        outer.append(half_mse_loss(fast, tilde(x), y))
         w = {k: w[k] - lr * (g[k] + g_out[k]) for k in w}
     assert clipped
     for k in w:
@@ -167,7 +146,7 @@ def test_the_first_order_step_is_the_inner_gradient_plus_the_outer_gradient_at_t
 def test_the_second_order_step_is_the_gradient_of_the_episodic_objective_by_finite_differences():
     beta, lr = 0.05, 1.0
     x, y = BATCHES[0]
-    model = Linear(W0["w"], W0["b"])
+    model = LinearModel(W0["w"], W0["b"])
     el.episodic_steps(
         model,
         [(torch.tensor(x), torch.tensor(y))],
@@ -181,8 +160,8 @@ def test_the_second_order_step_is_the_gradient_of_the_episodic_objective_by_fini
 
     def objective(flat):
         p = {"w": flat[:3], "b": flat[3:]}
-        g = grad_np(p, x, y)
-        return loss_np(p, x, y) + loss_np({k: p[k] - beta * g[k] for k in p}, tilde(x), y)
+        g = half_mse_gradient(p, x, y)
+        return half_mse_loss(p, x, y) + half_mse_loss({k: p[k] - beta * g[k] for k in p}, tilde(x), y)
 
     eps = 1e-6
     fd = np.array([(objective(flat0 + eps * e) - objective(flat0 - eps * e)) / (2 * eps) for e in np.eye(4)])

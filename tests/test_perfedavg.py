@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of, site_runtime
+from conftest import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
@@ -25,28 +25,6 @@ TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.01, "batc
 
 
 # ----------------------------------------------------------------------------- the meta-step by hand
-class Linear(torch.nn.Module):
-    def __init__(self, w, b):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor(w, dtype=torch.float64))
-        self.b = torch.nn.Parameter(torch.tensor(b, dtype=torch.float64))
-
-    def forward(self, x):
-        return x @ self.w + self.b
-
-
-def half_mse(pred, y):
-    """f = ½·mean((x·w + b − y)²): ∇_w = Xᵀr/n, ∇_b = mean(r) with r = Xw + b − y."""
-    return 0.5 * ((pred - y) ** 2).mean()
-
-
-def gradient(p, x, y):
-    r = x @ p["w"] + p["b"] - y
-    return {"w": x.T @ r / len(y), "b": np.array([r.mean()])}
-
-
-def loss(p, x, y):
-    return 0.5 * np.mean((x @ p["w"] + p["b"] - y) ** 2)
 
 
 RNG = np.random.default_rng(0)
@@ -56,7 +34,7 @@ W0 = {"w": np.array([0.5, -1.0, 2.0]), "b": np.array([0.3])}
 
 def test_a_meta_step_is_w_minus_beta_grad_at_the_inner_step_by_hand():
     alpha, beta = 0.4, 0.1
-    model = Linear(W0["w"], W0["b"])
+    model = LinearModel(W0["w"], W0["b"])
     params = OrderedDict(w=model.w, b=model.b)
     epochs_seen = []
     metrics = perfedavg_steps(
@@ -76,11 +54,11 @@ def test_a_meta_step_is_w_minus_beta_grad_at_the_inner_step_by_hand():
         for x, y in CHUNKS[:2]:
             half = (len(y) + 1) // 2
             d, d2 = (x[:half], y[:half]), (x[half:], y[half:])
-            g = gradient(w, *d)
+            g = half_mse_gradient(w, *d)
             tilde = {k: w[k] - alpha * g[k] for k in w}
-            inner.append((loss(w, *d), half))
-            outer.append((loss(tilde, *d2), len(y) - half))
-            g2 = gradient(tilde, *d2)
+            inner.append((half_mse_loss(w, *d), half))
+            outer.append((half_mse_loss(tilde, *d2), len(y) - half))
+            g2 = half_mse_gradient(tilde, *d2)
             w = {k: w[k] - beta * g2[k] for k in w}
     for k in w:
         np.testing.assert_allclose(params[k].detach().numpy(), w[k], rtol=1e-12, atol=1e-12)
@@ -92,7 +70,7 @@ def test_a_meta_step_is_w_minus_beta_grad_at_the_inner_step_by_hand():
 
 def test_alpha_zero_is_plain_sgd_on_the_second_halves():
     """α = 0: w̃ = w, so each meta-step is one SGD step on D' alone (a check that D' is what the outer step sees)."""
-    model = Linear(W0["w"], W0["b"])
+    model = LinearModel(W0["w"], W0["b"])
     params = OrderedDict(w=model.w, b=model.b)
     perfedavg_steps(
         model,
@@ -105,18 +83,18 @@ def test_alpha_zero_is_plain_sgd_on_the_second_halves():
     w = {k: v.copy() for k, v in W0.items()}
     for x, y in CHUNKS[:2]:
         half = (len(y) + 1) // 2
-        g = gradient(w, x[half:], y[half:])
+        g = half_mse_gradient(w, x[half:], y[half:])
         w = {k: w[k] - 0.1 * g[k] for k in w}
     for k in w:
         np.testing.assert_allclose(params[k].detach().numpy(), w[k], rtol=1e-12, atol=1e-12)
 
 
 def test_personalise_is_one_inner_step_and_returns_the_meta_model():
-    model = Linear(W0["w"], W0["b"])
+    model = LinearModel(W0["w"], W0["b"])
     params = OrderedDict(w=model.w, b=model.b)
     x, y = CHUNKS[0]
     saved = personalise(model, params, (torch.tensor(x), torch.tensor(y)), half_mse, alpha=0.4)
-    g = gradient(W0, x, y)
+    g = half_mse_gradient(W0, x, y)
     for k, v in zip(params, saved):
         np.testing.assert_allclose(params[k].detach().numpy(), W0[k] - 0.4 * g[k], rtol=1e-12)
         np.testing.assert_array_equal(v.numpy(), W0[k])
