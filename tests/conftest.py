@@ -22,9 +22,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 def pytest_collection_modifyitems(config, items):
     """With `--dist loadgroup` a group's tests run on one worker, so a module-scoped fixture is built once: each test
     file is a group, except that the contract and fault-injection suites are a group per strategy (their module
-    fixture, parametrised by strategy, runs once per strategy)."""
+    fixture, parametrised by strategy, runs once per strategy) and each real-process (e2e) test is a group of its own,
+    so the slow deployment tests spread over the workers."""
     for item in items:
         group = item.nodeid.split("::")[0]
+        if item.get_closest_marker("e2e") is not None:  # real processes, own ports and homes: each test its own group
+            group = item.nodeid.split("[")[0]
         params = getattr(getattr(item, "callspec", None), "params", {})
         for fixture in ("runs", "pair"):
             if fixture in params:
