@@ -182,3 +182,17 @@ def half_mse_gradient(p, x, y):
 
 def half_mse_loss(p, x, y):
     return 0.5 * np.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def extended_by_a_task(tiny, tasks: dict) -> tuple[Path, Path]:
+    """A continual run of 3 tasks, and one of 2 tasks resumed for a 3rd (only task 3's fine-tuning is sent again);
+    returns both run folders, for the caller to compare their records."""
+    from medflower.inprocess import run_inprocess
+
+    full = tiny(**{**tasks, "run-name": "full", "num-tasks": 3})
+    run_inprocess(full, num_nodes=2)
+    part = tiny(**{**tasks, "run-name": "part", "num-tasks": 2})
+    run_inprocess(part, num_nodes=2)
+    _, grid = run_inprocess(tiny(**{**tasks, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
+    assert [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
+    return run_dir_of(full), run_dir_of(part)

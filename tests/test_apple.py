@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of
+from conftest import TINY, extended_by_a_task, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
@@ -152,14 +152,9 @@ def test_a_task_without_every_site_downloads_the_modules_there_are(tiny):
 
 
 def test_a_finished_run_extended_by_a_task_equals_an_uninterrupted_one(tiny):
-    full = tiny(**{**TASKS, "run-name": "full", "num-tasks": 3})
-    run_inprocess(full, num_nodes=2)
-    part = tiny(**{**TASKS, "run-name": "part", "num-tasks": 2})
-    run_inprocess(part, num_nodes=2)
-    _, grid = run_inprocess(tiny(**{**TASKS, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
-    assert [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
+    full, part = extended_by_a_task(tiny, TASKS)
     key = lambda d: [(r["task"], r["client"], r["auc_curve"], r.get("apple_p")) for r in records(d, "eval")]  # noqa: E731
-    assert key(run_dir_of(full)) == key(run_dir_of(part))
+    assert key(full) == key(part)
 
 
 @pytest.mark.parametrize(

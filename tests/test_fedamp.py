@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of, site_runtime
+from conftest import TINY, extended_by_a_task, records, run_dir_of, site_runtime
 from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
@@ -136,16 +136,11 @@ def test_too_large_a_step_stops_the_run_naming_the_keys(tiny):
 
 
 def test_a_finished_run_extended_by_a_task_equals_an_uninterrupted_one(tiny):
-    full = tiny(**{**TASKS, "run-name": "full", "num-tasks": 3})
-    run_inprocess(full, num_nodes=2)
-    part = tiny(**{**TASKS, "run-name": "part", "num-tasks": 2})
-    run_inprocess(part, num_nodes=2)
-    _, grid = run_inprocess(tiny(**{**TASKS, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
-    assert [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
+    full, part = extended_by_a_task(tiny, TASKS)
     key = lambda d: [(r["task"], r["client"], r["auc_curve"], r["train_loss"]) for r in records(d, "eval")]  # noqa: E731
-    assert key(run_dir_of(full)) == key(run_dir_of(part))
+    assert key(full) == key(part)
     weights = lambda d: [r.get("fedamp_weights") for r in records(d, "server")]  # noqa: E731
-    assert weights(run_dir_of(full)) == weights(run_dir_of(part))
+    assert weights(full) == weights(part)
 
 
 @pytest.mark.parametrize(
