@@ -30,6 +30,8 @@ from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
 from .models.build import MEDSAM_AUTO
+from .models.litemedsam import PROMPTS
+from .models.normalisation import INPUT_NORMS
 from .models.unet import is_unet
 from .options import (
     ConfigError,
@@ -326,6 +328,31 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("lora-alpha", 16.0, "LoRA scaling alpha", positive, "model"),
     Option("adapter-targets", "", "comma-separated module names to adapt; empty = per-backbone default", None, "model"),
     Option("bottleneck-ratio", 0.25, "hidden/width ratio of bottleneck adapters", unit_interval_open_left, "model"),
+    Option(
+        "sam-prompt",
+        "whole-image",
+        "litemedsam segmentation: prompt of SAM's mask decoder, whole-image (the image's box; nothing from the labels) "
+        "or box (each structure's ground-truth box, MedSAM's interactive setting; needs masks at test time)",
+        one_of(*PROMPTS),
+        "model",
+    ),
+    Option(
+        "input-norm",
+        "auto",
+        "input normalisation the backbone's weights expect: auto (litemedsam/medsam min-max, loaded timm weights "
+        "their pretrained config's mean/std, random weights ImageNet's) | imagenet | min-max | mean-std",
+        one_of(*INPUT_NORMS),
+        "model",
+    ),
+    Option(
+        "frozen-encoder",
+        "auto",
+        "cache each site's encoder outputs once and train only above them: auto (when nothing in the encoder trains, "
+        "adapter='none', no augmentation and the strategy reads no pixels) | on (the same, refused when it cannot "
+        "apply) | off (the full forward every step)",
+        one_of("auto", "on", "off"),
+        "model",
+    ),
     Option("local-epochs", 1, "local epochs per round", positive, "train"),
     Option("batch-size", 32, "local batch size", positive, "train"),
     Option("lr", 3e-3, "learning rate", positive, "train"),
@@ -477,6 +504,9 @@ class ExperimentConfig:
             )
         if self.backbone == "medsam" and self.backbone_weights == "auto":
             raise bad("backbone-weights", "auto", MEDSAM_AUTO)
+        self._check_litemedsam()
+        if self.frozen_encoder == "on" and (why := self.frozen_encoder_problem()):
+            raise bad("frozen-encoder", "on", f"the mode cannot apply: {why}; use 'auto' or 'off'")
         if is_unet(self.backbone):  # a whole-network baseline: every parameter trains, LAT/SGCA share encoder stages
             if method.adapter:
                 raise bad(
@@ -638,6 +668,28 @@ class ExperimentConfig:
             return self.class_name_list or [str(i) for i in range(num_classes)]
         return describe_source(self.data_spec())[1]
 
+    def _check_litemedsam(self) -> None:
+        """LiteMedSAM's input size, and box prompts only where SAM's mask decoder segments with labelled masks."""
+        if self.backbone == "litemedsam":
+            from .models.litemedsam import EMBED_STRIDE, TRAINED_SIZE
+
+            if self.img_size % EMBED_STRIDE or self.img_size < 16:
+                raise bad(
+                    "img-size",
+                    self.img_size,
+                    f"LiteMedSAM's image embedding is img-size/4 wide: use a multiple of 4 (it was trained at "
+                    f"{TRAINED_SIZE})",
+                )
+        if self.sam_prompt != "box":
+            return
+        if self.backbone != "litemedsam" or self.model_task != "segmentation":
+            raise bad(
+                "sam-prompt",
+                "box",
+                f"box prompts feed SAM's mask decoder: they need backbone='litemedsam' and a segmentation dataset "
+                f"(backbone {self.backbone!r}, task {self.model_task!r})",
+            )
+
     # ----- views for the layers
     def data_spec(self, **overrides: Any) -> DataSpec:
         fields = dict(
@@ -683,8 +735,33 @@ class ExperimentConfig:
             bottleneck_ratio=self.bottleneck_ratio,
             seed=self.seed,
             task=self.model_task,
+            sam_prompt=self.sam_prompt if self.model_task == "segmentation" else "whole-image",
+            input_norm=self.input_norm,
         )
-        return ModelSpec(**{**fields, **self.strategy_class.model_fields(self, class_names or [])})
+        fields.update(self.strategy_class.model_fields(self, class_names or []))
+        fields["encoded_inputs"] = self.frozen_encoder_problem(fields["adapter"]) is None
+        return ModelSpec(**fields)
+
+    def frozen_encoder_problem(self, adapter: str | None = None) -> str | None:
+        """Why the frozen-encoder mode does not apply to this run (None: it does; docs/models.md#frozen-encoder-mode).
+        ``adapter``: the model's (a strategy may fix its own)."""
+        adapter = adapter or self.strategy_class.model_fields(self, []).get("adapter", self.adapter)
+        if self.frozen_encoder == "off":
+            return "frozen-encoder='off'"
+        if is_unet(self.backbone) or adapter != "none":
+            return (
+                f"adapter {adapter!r} trains inside the encoder (the mode needs adapter='none': head or decoder only)"
+            )
+        if self.augment:
+            return f"augment={self.augment!r} changes the images every step"
+        if self.strategy_class.reads_pixels:
+            return f"strategy {self.strategy!r} computes on the images themselves"
+        return None
+
+    @property
+    def frozen_encoder_mode(self) -> str:
+        """'on' or 'off': what the run does (run config ``frozen-encoder`` resolved)."""
+        return "off" if self.frozen_encoder_problem() else "on"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)

@@ -8,6 +8,7 @@ from datetime import datetime
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
+import torch
 from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -56,6 +57,28 @@ def prepare_run_folder(cfg: ExperimentConfig, run_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
+def resolved_model(cfg: ExperimentConfig, model) -> dict:
+    """What the run config's 'auto' settings became, recorded in config.json and said once in the log: the weights
+    (file and SHA-256 for LiteMedSAM), the input normalisation and the frozen-encoder mode (docs/models.md)."""
+    problem = cfg.frozen_encoder_problem(model.spec.adapter)
+    resolved = {
+        "weights-source": model.weights_source,
+        "input-norm": model.input_norm_name,
+        "frozen-encoder": "on" if problem is None else "off",
+        "frozen-encoder-reason": problem or "nothing inside the encoder trains: each site encodes its images once",
+        "torch-threads": torch.get_num_threads(),
+    }
+    log(
+        INFO,
+        "[medflower] weights %s, input normalisation %s; frozen-encoder mode %s (%s)",
+        resolved["weights-source"],
+        resolved["input-norm"],
+        resolved["frozen-encoder"],
+        resolved["frozen-encoder-reason"],
+    )
+    return resolved
+
+
 def run_experiment(grid: Grid, run_config: dict) -> dict:
     """Validate, build, run and write outputs; returns summary.json's content."""
     started = time.monotonic()
@@ -79,8 +102,14 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         done = strategy.completed_rounds
         # evaluate-in-train: the checkpoint's round was evaluated in the next round's replies, which are redone
         recorder.truncate_after(done, done - 1 if cfg.evaluate_in_train and done < strategy.total_rounds() else done)
-    recorder.write_config(cfg.to_dict())
     size = sum(v.size for v in initial.values())
+    if size == 0:
+        raise ConfigError(
+            f"nothing trains: strategy {cfg.strategy!r} with backbone {cfg.backbone!r} and adapter "
+            f"{model_spec.adapter!r} has no trainable parameter (a frozen head and no adapter); choose an adapter "
+            f"(lora, bottleneck, ...) or a trainable head"
+        )
+    recorder.write_config({**cfg.to_dict(), "resolved": resolved_model(cfg, model)})
     log(
         INFO,
         "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",

@@ -196,3 +196,44 @@ def extended_by_a_task(tiny, tasks: dict) -> tuple[Path, Path]:
     _, grid = run_inprocess(tiny(**{**tasks, "num-tasks": 3, "resume-from": str(run_dir_of(part))}), num_nodes=2)
     assert [m.metadata.group_id for m in grid.sent if m.metadata.message_type == "train"] == ["3", "3"]
     return run_dir_of(full), run_dir_of(part)
+
+
+# A LiteMedSAM of tiny sizes in LiteMedSAM's key layout (image_encoder.*, prompt_encoder.*, mask_decoder.*): built by
+# the package's modules, so backbone='litemedsam' loads it through the same path as the released file.
+TINY_LITEMEDSAM = dict(
+    embed_dims=(8, 16, 32, 320),  # the last width must be one TinyViT keeps the 1/4 grid for
+    depths=(1, 1, 1, 1),
+    num_heads=(2, 1, 2, 4),  # stage 0 (MBConv) has no attention: 2 as LiteMedSAM's, unused
+    window_sizes=(7, 7, 7, 7),
+    mlp_ratio=1.0,
+    decoder_depth=1,
+    decoder_mlp_dim=32,
+    iou_head_depth=2,
+    iou_head_hidden_dim=16,
+    mask_in_chans=4,
+)
+
+
+def write_tiny_litemedsam(path: Path, seed: int = 0, img_size: int = 32) -> Path:
+    """Save a seeded tiny LiteMedSAM's state dict to ``path`` (.pth) and return it."""
+    import torch
+
+    from medflower.models import litemedsam
+
+    arch = litemedsam.Architecture(**TINY_LITEMEDSAM)
+    torch.manual_seed(seed)
+    encoder = litemedsam.build_encoder(arch, img_size)
+    prompt_encoder, mask_decoder = litemedsam.build_prompt_decoder(arch, img_size)
+    state = {
+        **{f"image_encoder.{k}": v for k, v in encoder.state_dict().items()},
+        **{f"prompt_encoder.{k}": v for k, v in prompt_encoder.state_dict().items()},
+        **{f"mask_decoder.{k}": v for k, v in mask_decoder.state_dict().items()},
+    }
+    torch.save(state, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_litemedsam(tmp_path_factory) -> Path:
+    """A tiny LiteMedSAM weights file (see ``write_tiny_litemedsam``)."""
+    return write_tiny_litemedsam(tmp_path_factory.mktemp("litemedsam") / "tiny_lite_medsam.pth")

@@ -72,19 +72,28 @@ class BatchTransform:
     Segmentation items (image, HxW mask) give y int64 [B,S,S] of class indices instead ([B,K,S,S] for KxHxW
     planes). With a non-empty ``augment`` setting, every batch is augmented (``augment.Augmenter``, seeded by
     ``seed``) after resizing and before the ImageNet normalisation; without one, nothing random happens.
+
+    ``encoded``: the items hold encoder outputs (``data/encoded.py``), stacked as float32 as they are. ``box_prompts``
+    = K > 0: K box planes (``box_planes``, from the batch's masks after augmentation) are appended to x as channels,
+    at x's own resolution (an encoder output's grid: a cell is in a box when any of its pixels is), the prompts of
+    LiteMedSAM's ``sam-prompt='box'`` (models/litemedsam.py).
     """
 
-    def __init__(self, img_size: int | None, augment: str = "", seed: int = 0) -> None:
+    def __init__(
+        self, img_size: int | None, augment: str = "", seed: int = 0, encoded: bool = False, box_prompts: int = 0
+    ) -> None:
         self.img_size = img_size
+        self.encoded = encoded
+        self.box_prompts = box_prompts
         self.augmenter = None
-        if augment:
+        if augment and not encoded:
             from .augment import Augmenter
 
             self.augmenter = Augmenter(augment, seed) or None
 
     def __call__(self, batch: Sequence[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
         images, targets = zip(*batch)
-        x = image_batch(images, self.img_size)
+        x = torch.from_numpy(np.stack(images)).float() if self.encoded else image_batch(images, self.img_size)
         if is_mask(targets[0]):
             y = masks_to_tensor(targets, self.img_size)
             if self.augmenter is not None:
@@ -93,7 +102,28 @@ class BatchTransform:
             y = torch.as_tensor(targets, dtype=torch.int64)
             if self.augmenter is not None:
                 x, _ = self.augmenter(x)
-        return normalise(x), y
+        if not self.encoded:
+            x = normalise(x)
+        if self.box_prompts:
+            planes = box_planes(y, self.box_prompts)
+            if tuple(planes.shape[-2:]) != tuple(x.shape[-2:]):
+                planes = F.adaptive_max_pool2d(planes, tuple(x.shape[-2:]))
+            x = torch.cat([x, planes], dim=1)
+        return x, y
+
+
+def box_planes(y: torch.Tensor, structures: int) -> torch.Tensor:
+    """float [B, K, S, S]: 1 inside the bounding box of each structure's ground truth (all 0 where it is absent), from
+    class-index masks [B, S, S] (structure k = label k + 1) or binary planes [B, K, S, S]."""
+    if y.ndim == 3:
+        on = torch.stack([y == k + 1 for k in range(structures)], dim=1)
+    else:
+        on = y[:, :structures] > 0
+    rows, cols = on.any(dim=3), on.any(dim=2)  # [B, K, S]
+    # A box spans from the first to the last row (column) with the structure: the cumulative "seen" from either end.
+    inside_rows = (rows.cumsum(-1) > 0) & (rows.flip(-1).cumsum(-1).flip(-1) > 0)
+    inside_cols = (cols.cumsum(-1) > 0) & (cols.flip(-1).cumsum(-1).flip(-1) > 0)
+    return (inside_rows[..., :, None] & inside_cols[..., None, :]).float()
 
 
 def target_img_size(dataset: Dataset) -> int | None:
@@ -103,6 +133,15 @@ def target_img_size(dataset: Dataset) -> int | None:
             return dataset.img_size
         dataset = getattr(dataset, "dataset", None)
     return None
+
+
+def target_attribute(dataset: Dataset, name: str, default=None):
+    """The first ``name`` attribute found on the dataset or a dataset it wraps; ``default`` if none has it."""
+    while dataset is not None:
+        if getattr(dataset, name, None) is not None:
+            return getattr(dataset, name)
+        dataset = getattr(dataset, "dataset", None)
+    return default
 
 
 def target_augment(dataset: Dataset) -> str:
@@ -133,5 +172,11 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed),
         num_workers=workers,
         pin_memory=pin_memory,
-        collate_fn=BatchTransform(target_img_size(dataset), target_augment(dataset) if shuffle else "", seed),
+        collate_fn=BatchTransform(
+            target_img_size(dataset),
+            target_augment(dataset) if shuffle else "",
+            seed,
+            encoded=bool(target_attribute(dataset, "encoded", False)),
+            box_prompts=int(target_attribute(dataset, "box_prompts", 0)),
+        ),
     )

@@ -12,8 +12,9 @@ from torch import nn
 
 from . import arrays
 from .adapters import inject_adapter
-from .backbones import backbone_family, create_backbone, resolve_backbone
+from .backbones import NON_TIMM_FAMILIES, backbone_family, create_backbone, resolve_backbone
 from .errors import ModelError
+from .normalisation import pick as pick_input_norm
 from .spec import ModelSpec
 
 # Offsets added to spec.seed per build stage, so each stage's init is fixed whatever the earlier stages consumed.
@@ -28,6 +29,11 @@ class AdaptedModel(nn.Module):
     ``task_module`` is the attribute holding the head (``head``) or decoder (``decoder``). The exchanged
     ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward order
     (block depth ascending, task module last) with peft's ``.default`` adapter name stripped.
+
+    ``forward(x) = decode(encode(x))``: ``encode`` is the backbone with its adapters, after the backbone's own input
+    normalisation (``input_norm``, models/normalisation.py); ``decode`` the task module. With ``spec.encoded_inputs``
+    the model takes ``encode``'s output instead of images (the frozen-encoder mode, docs/models.md#frozen-encoder-mode:
+    the sites compute it once and cache it).
     With a frozen backbone, its BatchNorm layers stay in eval mode in ``train()``, so frozen running
     statistics never drift locally (they are not exchanged). With ``adapter='full'`` the whole backbone
     trains, BatchNorm updates its statistics, and ``running_mean``/``running_var`` travel with the
@@ -49,11 +55,47 @@ class AdaptedModel(nn.Module):
         self.backbone = backbone
         self.spec = spec
         self.weights_source = weights_source
+        self.encoded_inputs = bool(spec is not None and spec.encoded_inputs)
+        self.input_norm_name, norm = _input_norm(spec, weights_source)
+        self.input_norm = norm if norm is not None else nn.Identity()
 
-    def _freeze_all_but_trainable(self, adapter_param_names: Iterable[str]) -> None:
-        """Fix the trainable set: the adapters' parameters and every parameter of the task module."""
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's output for images ``x`` (what the frozen-encoder mode caches)."""
+        raise NotImplementedError
+
+    def decode(self, z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """The task module's logits for encoder output ``z`` (images of ``size``)."""
+        raise NotImplementedError
+
+    def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself when the model takes encoder outputs, else ``encode(x)``."""
+        return x if self.encoded_inputs else self.encode(x)
+
+    def image_size(self, x: torch.Tensor) -> tuple[int, int]:
+        if self.encoded_inputs:
+            return (self.spec.img_size, self.spec.img_size)
+        return tuple(x.shape[-2:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encoder_output(x), self.image_size(x))
+
+    def trains_encoder(self) -> bool:
+        """True when a parameter inside the encoder trains (adapters or the whole backbone): then the encoder's
+        output changes with training and cannot be cached."""
+        return any(raw.startswith("backbone.") for raw in self._trainable_raw.values())
+
+    def _freeze_all_but_trainable(
+        self, adapter_param_names: Iterable[str], frozen_task_params: Iterable[str] = ()
+    ) -> None:
+        """Fix the trainable set: the adapters' parameters and every parameter of the task module but
+        ``frozen_task_params`` (names inside it that get no gradient)."""
         adapter_params = {f"backbone.{n}" for n in adapter_param_names}
-        raw = [n for n, _ in self.named_parameters() if n in adapter_params or n.startswith(self.task_module + ".")]
+        frozen = {f"{self.task_module}.{n}" for n in frozen_task_params}
+        raw = [
+            n
+            for n, _ in self.named_parameters()
+            if n in adapter_params or (n.startswith(self.task_module + ".") and n not in frozen)
+        ]
         unknown = adapter_params - set(raw)
         if unknown:
             raise ModelError(f"adapter parameters not found in the backbone: {sorted(unknown)[:4]}")
@@ -145,6 +187,18 @@ def build_backbone_with_adapter(spec: ModelSpec) -> tuple[nn.Module, list[str], 
     ]
     feature_dim = getattr(backbone, "head_hidden_size", None) or backbone.num_features
     return backbone, adapter_param_names, weights_source, feature_dim
+
+
+def _input_norm(spec: ModelSpec | None, weights_source: str) -> tuple[str, nn.Module | None]:
+    """The spec's input normalisation (models/normalisation.py); ImageNet's for models built without a spec or from
+    no timm architecture (the U-Net baselines, trained from scratch)."""
+    if spec is None:
+        return "imagenet", None
+    try:
+        name = resolve_backbone(spec.backbone)
+    except ModelError:
+        return "imagenet", None
+    return pick_input_norm(spec.input_norm, spec.backbone, None if name in NON_TIMM_FAMILIES else name, weights_source)
 
 
 def check_num_classes(num_classes: int) -> None:

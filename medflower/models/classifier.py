@@ -40,17 +40,24 @@ class AdaptedClassifier(AdaptedModel):
         self.feature_dim = head.in_features
         self._freeze_all_but_trainable(adapter_param_names)
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled backbone features ``[B, feature_dim]`` of images ``x``."""
+        return self.backbone(self.input_norm(x))
+
+    def decode(self, z: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.head(z)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(x))
+        return self.head(self.encoder_output(x))
 
     def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, pooled features) from one backbone pass."""
-        features = self.backbone(x)
+        features = self.encoder_output(x)
         return self.head(features), features
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled backbone features ``[B, feature_dim]``."""
-        return self.backbone(x)
+        return self.encoder_output(x)
 
 
 def cosine_head(spec: ModelSpec, num_classes: int, feature_dim: int) -> CosineHead:

@@ -27,11 +27,15 @@ FOURIER_LOCATION_SEED = 777  # peft FourierFTConfig's default random_loc_seed
 
 
 class QKDelta(nn.Module):
-    """Base: ``output[..., :2d] += x @ (merged + delta())ᵀ`` on a fused qkv Linear of width 3d."""
+    """Base: ``output[..., :2d] += x @ (merged + delta())ᵀ`` on a fused qkv Linear of width 3d.
 
-    def __init__(self, dim_in: int, dim_qk: int):
+    ``heads`` = h > 0: the projection interleaves q, k and v per head (TinyViT's attention, LiteMedSAM: output viewed
+    as ``[h, 3e]``, head j's q, k, v at ``[j, :e]``, ``[j, e:2e]``, ``[j, 2e:]``); ΔW_q and ΔW_k keep timm's head-major
+    row order (row j·e + i is head j's dimension i) and are added to those rows. 0: timm's ``[q; k; v]``."""
+
+    def __init__(self, dim_in: int, dim_qk: int, heads: int = 0):
         super().__init__()
-        self.dim_in, self.dim_qk = dim_in, dim_qk
+        self.dim_in, self.dim_qk, self.heads = dim_in, dim_qk, heads
         self.register_buffer("merged", torch.zeros(2, dim_qk, dim_in), persistent=False)
 
     def delta(self) -> torch.Tensor:
@@ -41,6 +45,11 @@ class QKDelta(nn.Module):
     def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         update = (self.merged + self.delta()).reshape(2 * self.dim_qk, self.dim_in)
         extra = torch.nn.functional.linear(args[0], update.to(output.dtype))
+        if self.heads:
+            h, e = self.heads, self.dim_qk // self.heads
+            per_head = output.reshape(*output.shape[:-1], h, 3 * e)
+            q_k = extra.reshape(*extra.shape[:-1], 2, h, e).movedim(-3, -2).reshape(*extra.shape[:-1], h, 2 * e)
+            return torch.cat([per_head[..., : 2 * e] + q_k, per_head[..., 2 * e :]], dim=-1).reshape(output.shape)
         qk = output[..., : 2 * self.dim_qk] + extra
         return torch.cat([qk, output[..., 2 * self.dim_qk :]], dim=-1)
 
@@ -48,8 +57,8 @@ class QKDelta(nn.Module):
 class SpectralQK(QKDelta):
     """``ΔW = Re(IFFT2(frozen + scatter(coords, coefficients)))·scale`` for q and k (FourierFT on q, k)."""
 
-    def __init__(self, dim_in: int, dim_qk: int, n_frequency: int, scale: float):
-        super().__init__(dim_in, dim_qk)
+    def __init__(self, dim_in: int, dim_qk: int, n_frequency: int, scale: float, heads: int = 0):
+        super().__init__(dim_in, dim_qk, heads)
         if not 1 <= n_frequency <= dim_in * dim_qk:
             raise ModelError(
                 f"n-frequency = {n_frequency} must be in 1..{dim_in * dim_qk} (the coordinates of "
@@ -82,8 +91,8 @@ def spectral_delta(spectrum: torch.Tensor, scale: float) -> torch.Tensor:
 class LoRAQK(QKDelta):
     """``ΔW = (alpha/r)·B A`` for q and k; A Kaiming-uniform like peft, B zero."""
 
-    def __init__(self, dim_in: int, dim_qk: int, rank: int, alpha: float):
-        super().__init__(dim_in, dim_qk)
+    def __init__(self, dim_in: int, dim_qk: int, rank: int, alpha: float, heads: int = 0):
+        super().__init__(dim_in, dim_qk, heads)
         self.scale = alpha / rank
         self.lora_A = nn.Parameter(torch.empty(2, rank, dim_in))
         self.lora_B = nn.Parameter(torch.zeros(2, dim_qk, rank))
@@ -116,10 +125,11 @@ def add_qk_adapters(
         if not isinstance(qkv, nn.Linear) or qkv.out_features % 3:
             continue
         dim_qk = qkv.out_features // 3
+        heads = per_head_layout(module, dim_qk)
         if adapter == "fourier":
-            delta: QKDelta = SpectralQK(qkv.in_features, dim_qk, n_frequency, fourier_scale)
+            delta: QKDelta = SpectralQK(qkv.in_features, dim_qk, n_frequency, fourier_scale, heads)
         else:
-            delta = LoRAQK(qkv.in_features, dim_qk, lora_rank, lora_alpha)
+            delta = LoRAQK(qkv.in_features, dim_qk, lora_rank, lora_alpha, heads)
         setattr(module, QK_MODULE, delta)
         qkv.register_forward_hook(delta.hook)
         found += 1
@@ -128,6 +138,17 @@ def add_qk_adapters(
             f"adapter {adapter!r} adapts the q and k slices of fused qkv projections, and "
             f"{backbone_name or type(backbone).__name__} has none; use a ViT or Swin backbone"
         )
+
+
+def per_head_layout(attention: nn.Module, dim_qk: int) -> int:
+    """The number of heads when ``attention``'s qkv interleaves q, k, v per head (TinyViT's ``Attention``, which
+    splits ``qkv(x).view(B, N, heads, -1)`` into key_dim, key_dim, d), else 0 (timm's fused ``[q; k; v]``)."""
+    heads, key_dim, d = (getattr(attention, name, None) for name in ("num_heads", "key_dim", "d"))
+    if type(attention).__module__.endswith("tiny_vit_sam") and isinstance(heads, int) and key_dim == d:
+        if heads * key_dim != dim_qk:
+            raise ModelError(f"TinyViT attention with {heads} heads of {key_dim} has no square q/k of width {dim_qk}")
+        return heads
+    return 0
 
 
 def qk_modules(model: nn.Module) -> dict[str, QKDelta]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import litemedsam
 from .adapted import AdaptedModel, build_backbone_with_adapter, check_num_classes
 from .backbones import backbone_family, resolve_backbone
 from .errors import ModelError
@@ -73,7 +74,7 @@ class AdaptedSegmenter(AdaptedModel):
 
     def feature_grid(self, x: torch.Tensor) -> torch.Tensor:
         """Encoder features as a spatial grid ``[B, D, h, w]`` (SAM: its neck's output, already NCHW)."""
-        tokens = self.backbone.forward_features(x)
+        tokens = self.backbone.forward_features(self.input_norm(x))
         if self.family == "samvit":
             return tokens
         if self.family == "swin":  # timm Swin returns NHWC
@@ -82,27 +83,33 @@ class AdaptedSegmenter(AdaptedModel):
         h, w = self.backbone.patch_embed.grid_size
         return tokens.transpose(1, 2).reshape(x.shape[0], -1, h, w)
 
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feature_grid(x)
+
+    def decode(self, z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return self.decoder(z, size)
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled encoder features ``[B, D]`` (mean over the grid)."""
-        return self.feature_grid(x).mean(dim=(2, 3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.feature_grid(x), tuple(x.shape[-2:]))
+        return self.encoder_output(x).mean(dim=(2, 3))
 
     def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, pooled features) from one encoder pass."""
-        grid = self.feature_grid(x)
-        return self.decoder(grid, tuple(x.shape[-2:])), grid.mean(dim=(2, 3))
+        grid = self.encoder_output(x)
+        return self.decoder(grid, self.image_size(x)), grid.mean(dim=(2, 3))
 
 
 def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
     """Encoder with adapters + LightDecoder to ``num_classes`` foreground channels; deterministic for a spec."""
     check_num_classes(num_classes)
     family = backbone_family(resolve_backbone(spec.backbone))
+    if family == "tinyvit":
+        return build_prompted_segmenter(spec, num_classes)
     if family not in ("vit", "swin", "samvit"):
         kind = "a ResNet" if family == "resnet" else "none of these"
         raise ModelError(
-            f"segmentation needs a ViT or Swin encoder or SAM's image encoder (sam-b, sam-l, sam-h, medsam); "
+            f"segmentation needs a ViT or Swin encoder, SAM's image encoder (sam-b, sam-l, sam-h, medsam) or "
+            f"LiteMedSAM (litemedsam); "
             f"{spec.backbone!r} is {kind}"
         )
     with torch.random.fork_rng(devices=[]):
@@ -111,6 +118,92 @@ def build_segmenter(spec: ModelSpec, num_classes: int) -> AdaptedSegmenter:
         torch.manual_seed(spec.seed + _DECODER_SEED_OFFSET)
         decoder = LightDecoder(feature_dim, num_classes, upsample_stages=max(0, round(math.log2(max(reduction, 1)))))
     return AdaptedSegmenter(backbone, decoder, family, adapter_param_names, spec=spec, weights_source=weights_source)
+
+
+class PromptedSegmenter(AdaptedModel):
+    """LiteMedSAM as a segmenter: its encoder (with adapters) -> image embedding -> SAM's mask decoder prompted with the
+    whole image's box or each structure's ground-truth box (``litemedsam.PromptedMaskHead``).
+
+    Input ``x``: images ``[B, 3, S, S]`` (encoded mode: the image embedding ``[B, 256, S/4, S/4]``), and with box
+    prompts K more channels, one box plane per structure (1 inside the structure's ground-truth box), appended by the
+    loader (``data/transforms.py``). Boxes are read back on the embedding grid (a cell is in when any of its pixels
+    is), so the full forward and the encoded mode see the same boxes, whole cells of 4 px.
+    """
+
+    task = "segmentation"
+    task_module = "decoder"
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        decoder: nn.Module,
+        prompt_encoder: nn.Module,
+        adapter_param_names: Iterable[str] = (),
+        spec: ModelSpec | None = None,
+        weights_source: str = "random",
+    ):
+        super().__init__(backbone, adapter_param_names, spec, weights_source)
+        self.decoder = decoder
+        self.prompt_encoder = prompt_encoder  # frozen, not exchanged
+        self.family = "tinyvit"
+        self.num_classes = decoder.num_classes
+        self.embed_channels = 256
+        self._freeze_all_but_trainable(adapter_param_names, decoder.frozen_names())
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(images or embeddings, box planes or None) of an input batch."""
+        first = self.embed_channels if self.encoded_inputs else 3
+        if self.decoder.prompt != "box":
+            return x[:, :first] if x.shape[1] != first else x, None
+        if x.shape[1] != first + self.num_classes:
+            raise ModelError(
+                f"sam-prompt='box': expected {first} input channels and {self.num_classes} box planes, got "
+                f"{x.shape[1]} channels (the loader appends the planes from the ground-truth masks)"
+            )
+        return x[:, :first], x[:, first:]
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The image embedding of images ``x`` (box planes after the 3 image channels are ignored)."""
+        return self.backbone.forward_features(self.input_norm(x[:, :3]))
+
+    def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = self._split(x)[0]
+        return inputs if self.encoded_inputs else self.backbone.forward_features(self.input_norm(inputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.encoder_output(x)
+        _, planes = self._split(x)
+        boxes = None
+        if planes is not None:
+            side = embedding.shape[-1]
+            boxes = litemedsam.boxes_from_planes(
+                litemedsam.cell_planes(planes, side), self.decoder.img_size // side
+            ).to(embedding.dtype)
+        return self.decoder(embedding, self.prompt_encoder, boxes)
+
+    def decode(self, z: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.decoder(z, self.prompt_encoder)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder_output(x).mean(dim=(2, 3))
+
+    def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(x), self.features(x)
+
+
+def build_prompted_segmenter(spec: ModelSpec, num_classes: int) -> PromptedSegmenter:
+    """LiteMedSAM's encoder with the spec's adapter, SAM's prompt encoder and mask decoder from the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        backbone, adapter_param_names, weights_source, _ = build_backbone_with_adapter(spec)
+        prompt_encoder, mask_decoder = litemedsam.create_prompt_decoder(
+            spec.img_size, spec.weights, spec.seed + _DECODER_SEED_OFFSET
+        )
+    head = litemedsam.PromptedMaskHead(mask_decoder, num_classes, spec.sam_prompt, spec.img_size)
+    for p in prompt_encoder.parameters():
+        p.requires_grad_(False)
+    return PromptedSegmenter(
+        backbone, head, prompt_encoder, adapter_param_names, spec=spec, weights_source=weights_source
+    )
 
 
 def _grid_side(backbone: nn.Module, family: str, img_size: int) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from .adapters import ADAPTERS
 from .backbones import WEIGHT_MODES, resolve_backbone
 from .errors import ModelError
+from .litemedsam import PROMPTS
+from .normalisation import INPUT_NORMS
 
 TASKS = ("classification", "segmentation")
 # linear: a trainable nn.Linear. text / random: SiFT's cosine head cos(w_c, P·f)/τ with class embeddings W from a
@@ -38,6 +40,9 @@ class ModelSpec:
     class_texts: tuple[str, ...] = ()
     head_tau: float = 0.07  # cosine heads: logits = cos / tau
     train_projector: bool = False  # cosine heads: P trains (SiFT's 'TrainableProj' ablation)
+    sam_prompt: str = "whole-image"  # litemedsam segmentation: whole-image | box (models/litemedsam.py)
+    input_norm: str = "auto"  # auto | imagenet | min-max | mean-std (models/normalisation.py)
+    encoded_inputs: bool = False  # the model takes its encoder's output, not images (frozen-encoder mode)
 
     def __post_init__(self) -> None:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
@@ -57,6 +62,17 @@ class ModelSpec:
         _check(self.task in TASKS, "task", self.task, f"one of {list(TASKS)}")
         _check(self.head in HEADS, "head", self.head, f"one of {list(HEADS)}")
         _check(self.head_tau > 0, "head_tau", self.head_tau, "> 0")
+        _check(self.sam_prompt in PROMPTS, "sam_prompt", self.sam_prompt, f"one of {list(PROMPTS)}")
+        _check(self.input_norm in INPUT_NORMS, "input_norm", self.input_norm, f"one of {list(INPUT_NORMS)}")
+        if self.sam_prompt != "whole-image" and (self.backbone != "litemedsam" or self.task != "segmentation"):
+            raise ModelError(
+                f"sam_prompt={self.sam_prompt!r} prompts SAM's mask decoder, which only backbone 'litemedsam' "
+                f"segments with (task {self.task!r}, backbone {self.backbone!r})"
+            )
+        if self.backbone == "litemedsam":
+            from .litemedsam import check_img_size
+
+            check_img_size(self.img_size)
         object.__setattr__(self, "class_texts", tuple(self.class_texts))
         _check(self.img_size >= 1, "img_size", self.img_size, "an integer >= 1")
         _check(self.patch_size >= 0, "patch_size", self.patch_size, "0 (backbone default) or an integer >= 1")

@@ -31,6 +31,7 @@ from ..data import (
     load_site_data,
     make_loader,
 )
+from ..data.encoded import BoxPrompts, encoded, module_digest
 from ..data.roots import in_simulation
 from ..models import AdaptedModel, build_model
 from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
@@ -53,6 +54,41 @@ def _cached_model(spec, num_classes: int) -> tuple[AdaptedModel, OrderedDict[str
     arrays before use, so reusing the object across messages is a cache, not state)."""
     model = build_model(spec, num_classes)
     return model, model.get_trainable()
+
+
+_INPUTS: dict[tuple, tuple[ClientData, ClientData]] = {}  # (id(raw data), spec, ...) -> (raw data, inputs)
+
+
+def model_inputs(raw: ClientData, model: AdaptedModel, cache_dir: str, batch_size: int, device) -> ClientData:
+    """``raw``'s splits as ``model`` takes them (``ClientRuntime.data``), kept per process for the data object a site
+    reuses across messages (the frozen-encoder outputs are computed or read once)."""
+    key = (id(raw), model.spec, cache_dir, str(device))
+    if key in _INPUTS and _INPUTS[key][0] is raw:
+        return _INPUTS[key][1]
+    splits = {}
+    identity = None
+    if model.spec.encoded_inputs:
+        identity = (type(model).__name__, module_digest(model.backbone), model.input_norm_name, model.spec.img_size)
+    for split in ("train", "val", "test"):
+        dataset = getattr(raw, split)
+        if identity is not None and len(dataset):
+            dataset = encoded(
+                dataset,
+                model.encode,
+                identity=identity,
+                cache_dir=cache_dir,
+                batch_size=batch_size,
+                device=device,
+                what=f"{raw.site or f'partition {raw.partition_id}'} {split}",
+            )
+        if model.spec.sam_prompt == "box":
+            dataset = BoxPrompts(dataset, raw.num_classes)
+        splits[split] = dataset
+    inputs = dataclasses.replace(raw, **splits)
+    if len(_INPUTS) >= 16:
+        _INPUTS.pop(next(iter(_INPUTS)))
+    _INPUTS[key] = (raw, inputs)
+    return inputs
 
 
 @dataclass
@@ -92,12 +128,23 @@ class ClientRuntime:
         return int(self.config.get("round", 0))
 
     @functools.cached_property
-    def data(self) -> ClientData:
+    def raw_data(self) -> ClientData:
         """The site's data. Its own ``data-path``: all of it, labels mapped onto the run's classes (run-config
         class-names, else indices 0..num-classes-1; docs/data.md#class-names-for-site-data). Else its part of the
         data the run config names, read only below node-config ``data-roots`` (docs/data.md#data-roots)."""
         with profiling.phase("data"):
             return self._load_data()
+
+    @functools.cached_property
+    def data(self) -> ClientData:
+        """The site's data as its model takes it: ``raw_data``, or in the frozen-encoder mode its splits' encoder
+        outputs (computed once, kept in the site's cache folder), and with box prompts the splits marked to carry
+        their masks' boxes (docs/models.md#litemedsam)."""
+        spec = self.model.spec
+        if not spec.encoded_inputs and spec.sam_prompt != "box":
+            return self.raw_data
+        with profiling.phase("data"):
+            return model_inputs(self.raw_data, self.model, self.cache_dir(), self.cfg.batch_size, self.device)
 
     def _load_data(self) -> ClientData:
         if self.data_path is not None:
@@ -127,10 +174,9 @@ class ClientRuntime:
 
     @functools.cached_property
     def _build(self) -> tuple[AdaptedModel, OrderedDict[str, np.ndarray]]:
-        num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or self.data.num_classes)
-        spec = dataclasses.replace(
-            self.cfg.model_spec(self.data.class_names), **{"task": self.data.task, **self.model_overrides}
-        )
+        data = self.raw_data
+        num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or data.num_classes)
+        spec = dataclasses.replace(self.cfg.model_spec(data.class_names), **{"task": data.task, **self.model_overrides})
         with profiling.phase("model"):
             return _cached_model(spec, num_classes)
 
@@ -290,7 +336,7 @@ class ClientHalf:
 
     def query(self, message: Message) -> RecordDict:
         """Who this site is; nothing about its data but the number of training samples."""
-        return self.reply(metrics={"num-train": len(self.rt.data.train)})
+        return self.reply(metrics={"num-train": len(self.rt.raw_data.train)})
 
     def train(self, message: Message) -> RecordDict:
         raise NotImplementedError

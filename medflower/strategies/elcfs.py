@@ -336,6 +336,7 @@ class ELCFS(PoolMeanInit):
     client_half = ELCFSClient
     options = (*FEDKEI_OPTIONS, WINDOW, INNER_LR, ORDER, BANK_SIZE)
     extra_actions = (("train", "elcfs_amplitudes"),)
+    reads_pixels = True  # the amplitude spectra are of the images
 
     def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
         """The pool-mean start, and to every node the other sites' amplitude windows."""

@@ -74,14 +74,19 @@ OPTIONS = (
 
 # ----------------------------------------------------------------------------- the representation
 def representation_dim(arrays: Mapping[str, np.ndarray]) -> int | None:
-    """D of the task module's input, from its first layer's weight: a linear head ``head.weight`` [C, D] or the light
-    decoder's ``decoder.proj.weight`` [W, D, 1, 1]; None for other task modules."""
+    """D of the task module's input, from its first layer's weight: a linear head ``head.weight`` [C, D], the light
+    decoder's ``decoder.proj.weight`` [W, D, 1, 1] or SAM's mask decoder's tokens ``decoder.sam.mask_tokens.weight``
+    [T, D] (LiteMedSAM: D = 256 channels of the image embedding, b_i added at every position); None for other task
+    modules."""
     head = arrays.get("head.weight")
     if head is not None and head.ndim == 2:
         return int(head.shape[1])
     proj = arrays.get("decoder.proj.weight")
     if proj is not None and proj.ndim == 4:
         return int(proj.shape[1])
+    tokens = arrays.get("decoder.sam.mask_tokens.weight")
+    if tokens is not None and tokens.ndim == 2:
+        return int(tokens.shape[1])
     return None
 
 
@@ -205,7 +210,9 @@ class FedDBEClient(ClientHalf):
             return np.array(saved[PRBM])
         dim = representation_dim(arrays)
         if dim is None:
-            raise ValueError("feddbe: the task module is neither a linear head nor the light decoder")
+            raise ValueError(
+                "feddbe: the task module is neither a linear head, the light decoder nor SAM's mask decoder"
+            )
         return np.zeros(dim, np.float32)
 
     def train(self, message: Message) -> RecordDict:
@@ -261,8 +268,8 @@ class FedDBE(FederatedStrategy):
             raise bad(
                 "strategy",
                 "feddbe",
-                "needs a task module whose input is the representation: a linear head (head='linear') or the light "
-                "decoder of a ViT/Swin/SAM segmenter (not a U-Net)",
+                "needs a task module whose input is the representation: a linear head (head='linear'), the light "
+                "decoder of a ViT/Swin/SAM segmenter or LiteMedSAM's mask decoder (not a U-Net)",
             )
         self.dim = dim
         self.global_mean: np.ndarray | None = None

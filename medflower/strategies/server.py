@@ -132,6 +132,9 @@ class FederatedStrategy:
     adapter: ClassVar[str | None] = None  # the adapter it always trains (the run's 'adapter' must be left unset)
     trains_backbone: ClassVar[bool] = False  # may train the whole backbone (adapter='full')
     mixed_tasks: ClassVar[bool] = False  # shares only the encoder, so sites may hold different tasks (site-datasets)
+    # Its sites compute on the images themselves, beyond the model's forward (ELCFS's amplitude spectra), so the
+    # frozen-encoder mode, whose loaders hold encoder outputs, cannot serve it (docs/models.md#frozen-encoder-mode).
+    reads_pixels: ClassVar[bool] = False
     # Message actions beyond train/evaluate/query that the client half answers, e.g. ("train", "fedkei_inner").
     extra_actions: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Client-level DP modes its exchange allows (docs/privacy.md#which-strategies-can-use-it): 'site' needs every

@@ -1,0 +1,146 @@
+"""Frozen-encoder mode: each site computes its images' encoder outputs once and keeps them beside the decode cache.
+
+When nothing inside the encoder trains (``adapter='none'``: only the head or the segmentation decoder trains), the
+encoder's output for an image never changes during a run, so training and evaluation need only the task module:
+``encoded(dataset, encode, ...)`` runs ``encode`` over a split once, batch by batch, and gives a dataset of
+``(encoder output, target)`` items. A round then costs what trains (docs/models.md#frozen-encoder-mode).
+
+With a ``cache_dir`` the outputs are written there as ``<digest>-encoded.npy`` (float16, to temporary files renamed
+into place, as the decode cache writes, ``cache.ArraySet``) and memory-mapped by later processes. ``<digest>``
+names everything that changes the outputs: a digest of the encoder's tensors (``module_digest``: its weights,
+whatever file they came from), the input normalisation, the image size, a digest of the split's decoded pixels (the
+files, resizing and intensity settings all show in them) and the storage format. Augmentation never applies (the
+mode is off when the run augments). A cache file that is missing, truncated or of the wrong shape is rebuilt.
+
+Float16 storage halves the disk and page cache (LiteMedSAM's 256×64×64 embedding: 2 MiB an image); the decoder reads
+them back as float32. The rounding (relative 2^-11) is far below what training changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .cache import ArraySet, entry_digest
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the layout of the stored outputs changes
+DTYPE = np.float16
+
+
+def module_digest(module: torch.nn.Module) -> str:
+    """Digest of a module's parameters and buffers (names, shapes, dtypes, values): the encoder's identity."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in module.state_dict().items():
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}\0{tuple(value.shape)}\0{value.dtype}\n".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def pixels_digest(dataset: Dataset) -> str:
+    """Digest of every item's decoded image, in order (what the encoder reads)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for i in range(len(dataset)):
+        image = np.ascontiguousarray(dataset[i][0])
+        digest.update(f"{image.shape}\0{image.dtype}\n".encode())
+        digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def encoded(
+    dataset: Dataset,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    identity: tuple,
+    cache_dir: str,
+    batch_size: int,
+    device: torch.device,
+    what: str = "",
+) -> EncodedDataset:
+    """``dataset`` with each image replaced by ``encode``'s output for it (module docstring). ``identity`` names the
+    encoder and its input (``module_digest``, normalisation, image size); ``what`` names the split in the log."""
+    digest = entry_digest("encoded", FORMAT, identity, pixels_digest(dataset), len(dataset))
+    entry = ArraySet(Path(cache_dir), digest, ("encoded",)) if cache_dir else None
+    arrays = entry.load(lambda a: a["encoded"].shape[:1] == (len(dataset),) and a["encoded"].dtype == DTYPE) if entry else None
+    if arrays is not None:
+        return EncodedDataset(dataset, arrays["encoded"])
+    start = time.perf_counter()
+    outputs = run_encoder(dataset, encode, batch_size, device)
+    seconds = time.perf_counter() - start
+    logger.info(
+        "frozen-encoder mode: encoded %d images%s in %.1f s (%.2f s each)%s",
+        len(dataset), f" of {what}" if what else "", seconds, seconds / max(len(dataset), 1),
+        f", kept in {cache_dir}" if entry else "",
+    )  # fmt: skip
+    if entry is not None:
+        try:
+            entry.store({"encoded": outputs})
+            stored = entry.load()
+            if stored is not None:
+                outputs = stored["encoded"]
+        except OSError as exc:
+            logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, exc)
+    return EncodedDataset(dataset, outputs)
+
+
+@torch.no_grad()
+def run_encoder(
+    dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device: torch.device
+) -> np.ndarray:
+    """float16 encoder outputs of every image of ``dataset``, in order (no augmentation, fp32 compute)."""
+    from .transforms import image_batch, normalise, target_img_size
+
+    size = target_img_size(dataset)
+    chunks = []
+    for start in range(0, len(dataset), batch_size):
+        images = [dataset[i][0] for i in range(start, min(start + batch_size, len(dataset)))]
+        x = normalise(image_batch(images, size)).to(device)
+        chunks.append(encode(x).float().cpu().numpy().astype(DTYPE))
+    return np.concatenate(chunks)
+
+
+class EncodedDataset(Dataset):
+    """Items ``(encoder output (float16), target)``; the wrapped split's labels, task and image size."""
+
+    encoded = True
+    augment = ""
+
+    def __init__(self, dataset: Dataset, outputs: np.ndarray) -> None:
+        self.dataset = dataset
+        self.outputs = outputs
+        self.labels = getattr(dataset, "labels", None)
+        self.task = getattr(dataset, "task", "classification")
+        self.img_size = getattr(dataset, "img_size", None)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __getitem__(self, i: int):
+        return np.array(self.outputs[int(i)]), self.dataset[int(i)][1]
+
+
+class BoxPrompts(Dataset):
+    """A segmentation split whose batches carry their masks' boxes: the loader appends ``box_prompts`` box planes to
+    x (``transforms.box_planes``), the prompts of LiteMedSAM's ``sam-prompt='box'``. Items are the wrapped split's."""
+
+    def __init__(self, dataset: Dataset, structures: int) -> None:
+        self.dataset = dataset
+        self.box_prompts = structures
+        self.labels = getattr(dataset, "labels", None)
+        self.task = getattr(dataset, "task", "segmentation")
+        self.img_size = getattr(dataset, "img_size", None)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
