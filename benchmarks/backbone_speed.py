@@ -1,5 +1,7 @@
-"""Training speed and peak memory of the big backbones: SAM ViT-B with bottleneck adapters (segmentation, 256 px)
-and ViT-B/16 with LoRA (classification, 224 px), plus the SAM adapter parameter table of docs/models.md.
+"""Training speed and peak memory of the big backbones: SAM ViT-B with bottleneck adapters (segmentation, 256 px),
+ViT-B/16 with LoRA (classification, 224 px) and LiteMedSAM at 256 px (its encoder's forward alone, a training step
+with bottleneck adapters inside the encoder, and the frozen-encoder mode's step on cached image embeddings, which
+trains SAM's mask decoder only), plus the SAM adapter parameter table of docs/models.md.
 
 Each configuration runs in a fresh child process: it builds the model (random weights, ``medflower.models``), puts
 one batch of random images (and masks or labels) on the device, and runs ``--warmup`` untimed then ``--steps``
@@ -11,18 +13,26 @@ CPU), backward, AdamW step over the trainable parameters (adapters + decoder/hea
   1-minute load average before and after them show whether the process had its cores (``cores`` in the table).
   On a busy machine, torch threads wait for each other at barriers and that waiting counts as CPU time too: use
   ``--threads 1`` there;
-- peak memory. CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps (``peak_mb``, weights included) and
+- peak memory (not with ``--speed``). CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps (``peak_mb``, weights included) and
   its rise over the memory allocated before them (``step_peak_mb``). CPU: the process's resident-set high-water
   mark ``VmHWM`` (``peak_mb``) and its rise over the resident set after the model, the batch and the optimizer
   state exist (``step_peak_mb``: activations, gradients and temporaries of a step). The warm-up step allocates the
   optimizer state; the high-water mark is then reset through ``/proc/self/clear_refs`` and the child runs with
   ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set (see fedkei_bilevel.py). Where
-  ``/proc`` is missing, ``resource.getrusage`` gives the process peak only.
+  ``/proc`` is missing, ``resource.getrusage`` gives the process peak only. That setting makes every large tensor a
+  fresh mmap, which slows allocation-heavy CPU steps (LiteMedSAM's convolutions at 256×256: about 3×); ``--speed``
+  leaves glibc's defaults for the images/s a training run sees, and its memory columns are then not meaningful.
 
     python benchmarks/backbone_speed.py --threads 1                        # both, batch 2, CPU: ~50 s
     python benchmarks/backbone_speed.py --device cuda --batch-size 32 --steps 20
     python benchmarks/backbone_speed.py --only sam-b-seg --batch-size 1
     python benchmarks/backbone_speed.py --param-table                      # the table in docs/models.md
+    python benchmarks/backbone_speed.py --threads 1 --only litemedsam-encode litemedsam-adapters litemedsam-frozen
+    python benchmarks/backbone_speed.py --device cuda --batch-size 32 --steps 20 --only litemedsam-encode \
+        litemedsam-adapters litemedsam-frozen                              # bf16 autocast on a GPU
+
+``litemedsam-encode`` times ``model.encode`` under ``torch.no_grad`` (what building a site's frozen-encoder cache
+costs per image); its "step" has no backward and no optimizer.
 
 Results are printed as a table and written to benchmarks/results/backbone_speed.json.
 """
@@ -46,7 +56,16 @@ from benchmarks._report import write_results  # noqa: E402
 CONFIGS: dict[str, tuple[dict, int]] = {
     "sam-b-seg": (dict(backbone="sam-b", adapter="bottleneck", img_size=256, task="segmentation"), 1),
     "vit-b16-cls": (dict(backbone="vit-b16", adapter="lora", img_size=224, task="classification"), 8),
+    # LiteMedSAM (models/litemedsam.py): the encoder's forward alone; adapters inside it (forward + backward through
+    # it); the frozen-encoder mode's step on the cached 256×64×64 embedding (mask decoder only)
+    "litemedsam-encode": (dict(backbone="litemedsam", adapter="none", img_size=256, task="segmentation"), 1),
+    "litemedsam-adapters": (dict(backbone="litemedsam", adapter="bottleneck", img_size=256, task="segmentation"), 1),
+    "litemedsam-frozen": (
+        dict(backbone="litemedsam", adapter="none", img_size=256, task="segmentation", encoded_inputs=True),
+        1,
+    ),
 }
+ENCODE_ONLY = ("litemedsam-encode",)
 
 # FedSCA's setup for the communication totals: 4 clients; 100 rounds (docs/methods/sgca.md: "the paper's 100 rounds").
 FEDSCA_CLIENTS = 4
@@ -77,18 +96,23 @@ def child(args: dict) -> dict:
         torch.set_num_threads(args["threads"])
     device = torch.device(args["device"])
     spec = ModelSpec(**fields, weights="none", bottleneck_ratio=args["ratio"])
-    model = build_model(spec, classes).to(device).train()
+    model = build_model(spec, classes).to(device).train(args["config"] not in ENCODE_ONLY)
     trainable = list(model.trainable_parameters().values())
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     b, s = args["batch_size"], spec.img_size
-    x = torch.randn(b, 3, s, s, generator=gen).to(device)
+    shape = (b, 256, s // 4, s // 4) if spec.encoded_inputs else (b, 3, s, s)
+    x = torch.randn(*shape, generator=gen).to(device)
     if spec.task == "segmentation":
         target = (torch.rand(b, s, s, generator=gen) > 0.5).long().to(device)
     else:
         target = torch.randint(0, classes, (b,), generator=gen).to(device)
 
     def step() -> None:
+        if args["config"] in ENCODE_ONLY:
+            with torch.no_grad(), autocast(device):
+                model.encode(x)
+            return
         with autocast(device):
             logits = model(x)
             loss = (
@@ -145,12 +169,11 @@ def child(args: dict) -> dict:
 
 
 def _run_child(spec: dict) -> dict:
+    env = dict(os.environ)
+    if spec.get("memory", True):
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=True, env=env
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -231,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = torch's default")
     parser.add_argument("--param-table", action="store_true", help="print the SAM adapter parameter table and exit")
+    parser.add_argument(
+        "--speed",
+        action="store_true",
+        help="glibc's default allocator settings: faster steps (LiteMedSAM's encoder about 3x on the CPU), but the "
+        "step's memory is no longer measurable (freed tensors stay in the resident set)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "backbone_speed.json")
     args = parser.parse_args(argv)
     if args.child:
@@ -255,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": args.ratio,
             "device": args.device,
             "threads": args.threads,
+            "memory": not args.speed,
         }
         result = _run_child(spec)
         results.append(result)

@@ -73,7 +73,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -812,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         result = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": command,
             "machine": {
                 "cpu_count": os.cpu_count(),

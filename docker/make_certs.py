@@ -98,7 +98,7 @@ def _key_usage(**on: bool) -> x509.KeyUsage:
 def make_ca(out: Path, days: int) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP384R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "medflower federation CA")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()
@@ -127,7 +127,7 @@ def load_ca(out: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 def make_server_cert(out: Path, ca_key, ca_cert: x509.Certificate, sans: list[str], days: int) -> None:
     key = ec.generate_private_key(ec.SECP384R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     cert = (
         x509.CertificateBuilder()

@@ -1,9 +1,9 @@
 """Config validation: every bad value stops the run with key, value and valid choices."""
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from medflower.config import ConfigError, ExperimentConfig, all_options, defaults
 from medflower.options import Option, bad, positive

@@ -431,3 +431,46 @@ def test_a_run_where_nothing_trains_is_refused(tiny_file, tiny):
     )
     with pytest.raises(ConfigError, match="nothing trains"):
         run_inprocess(config, 2)
+
+
+def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_command(tiny_file, tmp_path):
+    """`python -m medflower.encode` runs a site's own code ahead of the run: one entry per site (all its decoded rows,
+    named by the decode cache's digest), shared by its three splits and by another seed's splits; the outputs are
+    the encoder's in eval mode, and encoding leaves the encoder's tensors as they were."""
+    from medflower import encode
+    from medflower.data.synthetic_seg import write_segfolder
+
+    root = write_segfolder(tmp_path / "fed", {"a": 0, "b": 1}, per_site=8, size=32, seed=0)
+    run_config = {
+        "dataset": f"segfolder:{root}",
+        "partition": "natural",
+        "backbone": "litemedsam",
+        "backbone-weights": str(tiny_file),
+        "img-size": 32,
+        "adapter": "none",
+    }
+    cache = tmp_path / "cache"
+    summaries = encode.prepare(run_config, 2, cache_dir=str(cache), data_roots=str(tmp_path))
+    assert [s["train"] + s["val"] + s["test"] for s in summaries] == [8, 8]
+    entries = sorted(cache.glob("*-encoded.npy"))
+    assert len(entries) == 2
+    stamps = [p.stat().st_mtime_ns for p in entries]
+    encode.prepare({**run_config, "seed": 1}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
+    assert sorted(cache.glob("*-encoded.npy")) == entries and [p.stat().st_mtime_ns for p in entries] == stamps
+    # the cached rows are the eval-mode encoder's outputs of the split's images
+    from medflower.data import load_client_data
+    from medflower.strategies.client import model_inputs
+
+    cfg = ExperimentConfig.from_run_config(run_config)
+    raw = load_client_data(cfg.data_spec(cache_dir=str(cache)), 0, 2)
+    model = build_model(cfg.model_spec(raw.class_names), raw.num_classes)
+    before = module_digest(model.backbone)
+    inputs = model_inputs(raw, model, str(cache), 4, torch.device("cpu"))
+    assert module_digest(model.backbone) == before
+    assert isinstance(inputs.test, EncodedDataset) and len(inputs.test) == len(raw.test)
+    image, _ = raw.test[0]
+    with torch.no_grad():
+        expected = model.eval().encode(images_to_tensor([image], 32))[0].numpy()
+    assert np.allclose(inputs.test[0][0], expected, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ConfigError, match="not in the frozen-encoder mode"):
+        encode.prepare({**run_config, "adapter": "lora"}, 2, cache_dir=str(cache), data_roots=str(tmp_path))

@@ -8,8 +8,9 @@ encoder's output for an image never changes during a run, so training and evalua
 With a ``cache_dir`` the outputs are written there as ``<digest>-encoded.npy`` (float16, to temporary files renamed
 into place, as the decode cache writes, ``cache.ArraySet``) and memory-mapped by later processes. ``<digest>``
 names everything that changes the outputs: a digest of the encoder's tensors (``module_digest``: its weights,
-whatever file they came from), the input normalisation, the image size, a digest of the split's decoded pixels (the
-files, resizing and intensity settings all show in them) and the storage format. Augmentation never applies (the
+whatever file they came from), the input normalisation, the image size, the images (for a site's decoded data the
+decode cache's digest of its files and decode settings, so all its splits and seeds share one entry; for data held
+in memory a digest of the decoded pixels) and the storage format. Augmentation never applies (the
 mode is off when the run augments). A cache file that is missing, truncated or of the wrong shape is rebuilt.
 
 Float16 storage halves the disk and page cache (LiteMedSAM's 256×64×64 embedding: 2 MiB an image); the decoder reads
@@ -67,18 +68,63 @@ def encoded(
     what: str = "",
 ) -> EncodedDataset:
     """``dataset`` with each image replaced by ``encode``'s output for it (module docstring). ``identity`` names the
-    encoder and its input (``module_digest``, normalisation, image size); ``what`` names the split in the log."""
-    digest = entry_digest("encoded", FORMAT, identity, pixels_digest(dataset), len(dataset))
+    encoder and its input (``module_digest``, normalisation, image size); ``what`` names the data in the log.
+
+    A split of a site's decoded data (``cache.DecodedDataset``) is served from the outputs of all the site's rows,
+    encoded once and named by the decode cache's digest (its files and decode settings): every split, seed and
+    strategy of that site shares them."""
+    whole, positions, content = _whole(dataset)
+    digest = entry_digest("encoded", FORMAT, identity, content, len(whole))
+    outputs = None if cache_dir else _MEMORY.get(digest)
+    if outputs is None:
+        outputs = _outputs(whole, encode, digest, cache_dir, batch_size, device, what)
+    if not cache_dir:
+        if len(_MEMORY) >= 8:
+            _MEMORY.pop(next(iter(_MEMORY)))
+        _MEMORY[digest] = outputs
+    return EncodedDataset(dataset, outputs, positions)
+
+
+# Without a cache folder: digest -> outputs in this process's memory, so a site's three splits (and its later
+# messages) encode its rows once. With one, each call memory-maps the checked file instead.
+_MEMORY: dict[str, np.ndarray] = {}
+
+
+def _whole(dataset: Dataset) -> tuple[Dataset, np.ndarray, str]:
+    """(what to encode, the positions of ``dataset``'s items in it, its content's identity)."""
+    store = getattr(dataset, "store", None)
+    digest = getattr(store, "digest", None)
+    if isinstance(digest, str) and hasattr(dataset, "index"):
+        from .cache import DecodedDataset
+
+        whole = DecodedDataset(store, None)
+        index = dataset.index
+        positions = np.arange(len(whole)) if index is None else np.asarray(index, dtype=np.int64)
+        return whole, positions, f"decoded:{digest}"
+    return dataset, np.arange(len(dataset)), f"pixels:{pixels_digest(dataset)}"
+
+
+def _outputs(
+    whole: Dataset,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    digest: str,
+    cache_dir: str,
+    batch_size: int,
+    device: torch.device,
+    what: str,
+) -> np.ndarray:
+    """The stored outputs of ``whole`` when the cache folder has them, else encoded now (and stored)."""
     entry = ArraySet(Path(cache_dir), digest, ("encoded",)) if cache_dir else None
-    arrays = entry.load(lambda a: a["encoded"].shape[:1] == (len(dataset),) and a["encoded"].dtype == DTYPE) if entry else None
-    if arrays is not None:
-        return EncodedDataset(dataset, arrays["encoded"])
+    if entry is not None:
+        arrays = entry.load(lambda a: a["encoded"].shape[:1] == (len(whole),) and a["encoded"].dtype == DTYPE)
+        if arrays is not None:
+            return arrays["encoded"]
     start = time.perf_counter()
-    outputs = run_encoder(dataset, encode, batch_size, device)
+    outputs = run_encoder(whole, encode, batch_size, device)
     seconds = time.perf_counter() - start
     logger.info(
         "frozen-encoder mode: encoded %d images%s in %.1f s (%.2f s each)%s",
-        len(dataset), f" of {what}" if what else "", seconds, seconds / max(len(dataset), 1),
+        len(whole), f" of {what}" if what else "", seconds, seconds / max(len(whole), 1),
         f", kept in {cache_dir}" if entry else "",
     )  # fmt: skip
     if entry is not None:
@@ -86,10 +132,10 @@ def encoded(
             entry.store({"encoded": outputs})
             stored = entry.load()
             if stored is not None:
-                outputs = stored["encoded"]
+                return stored["encoded"]
         except OSError as exc:
             logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, exc)
-    return EncodedDataset(dataset, outputs)
+    return outputs
 
 
 @torch.no_grad()
@@ -109,23 +155,25 @@ def run_encoder(
 
 
 class EncodedDataset(Dataset):
-    """Items ``(encoder output (float16), target)``; the wrapped split's labels, task and image size."""
+    """Items ``(encoder output (float16), target)``: item i's output is ``outputs[positions[i]]``; the wrapped split's
+    labels, task and image size."""
 
     encoded = True
     augment = ""
 
-    def __init__(self, dataset: Dataset, outputs: np.ndarray) -> None:
+    def __init__(self, dataset: Dataset, outputs: np.ndarray, positions: np.ndarray | None = None) -> None:
         self.dataset = dataset
         self.outputs = outputs
+        self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, dtype=np.int64)
         self.labels = getattr(dataset, "labels", None)
         self.task = getattr(dataset, "task", "classification")
         self.img_size = getattr(dataset, "img_size", None)
 
     def __len__(self) -> int:
-        return len(self.outputs)
+        return len(self.positions)
 
     def __getitem__(self, i: int):
-        return np.array(self.outputs[int(i)]), self.dataset[int(i)][1]
+        return np.array(self.outputs[int(self.positions[i])]), self.dataset[int(i)][1]
 
 
 class BoxPrompts(Dataset):

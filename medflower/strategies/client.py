@@ -69,21 +69,26 @@ def model_inputs(raw: ClientData, model: AdaptedModel, cache_dir: str, batch_siz
     identity = None
     if model.spec.encoded_inputs:
         identity = (type(model).__name__, module_digest(model.backbone), model.input_norm_name, model.spec.img_size)
-    for split in ("train", "val", "test"):
-        dataset = getattr(raw, split)
-        if identity is not None and len(dataset):
-            dataset = encoded(
-                dataset,
-                model.encode,
-                identity=identity,
-                cache_dir=cache_dir,
-                batch_size=batch_size,
-                device=device,
-                what=f"{raw.site or f'partition {raw.partition_id}'} {split}",
-            )
-        if model.spec.sam_prompt == "box":
-            dataset = BoxPrompts(dataset, raw.num_classes)
-        splits[split] = dataset
+    was_training = model.training
+    model.to(device).eval()  # the frozen encoder's function: BatchNorm's running statistics, TinyViT's cached biases
+    try:
+        for split in ("train", "val", "test"):
+            dataset = getattr(raw, split)
+            if identity is not None and len(dataset):
+                dataset = encoded(
+                    dataset,
+                    model.encode,
+                    identity=identity,
+                    cache_dir=cache_dir,
+                    batch_size=batch_size,
+                    device=device,
+                    what=raw.site or f"partition {raw.partition_id}",
+                )
+            if model.spec.sam_prompt == "box":
+                dataset = BoxPrompts(dataset, raw.num_classes)
+            splits[split] = dataset
+    finally:
+        model.train(was_training)
     inputs = dataclasses.replace(raw, **splits)
     if len(_INPUTS) >= 16:
         _INPUTS.pop(next(iter(_INPUTS)))
@@ -140,6 +145,8 @@ class ClientRuntime:
         """The site's data as its model takes it: ``raw_data``, or in the frozen-encoder mode its splits' encoder
         outputs (computed once, kept in the site's cache folder), and with box prompts the splits marked to carry
         their masks' boxes (docs/models.md#litemedsam)."""
+        if self.cfg.frozen_encoder_mode != "on" and self.cfg.sam_prompt != "box":
+            return self.raw_data  # the images themselves: no model needed to say so
         spec = self.model.spec
         if not spec.encoded_inputs and spec.sam_prompt != "box":
             return self.raw_data

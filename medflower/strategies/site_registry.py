@@ -14,10 +14,9 @@ docs/deployment.md ("Registry of sites") shows how to fill it.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from ..options import bad
 
