@@ -13,15 +13,16 @@ CPU), backward, AdamW step over the trainable parameters (adapters + decoder/hea
   1-minute load average before and after them show whether the process had its cores (``cores`` in the table).
   On a busy machine, torch threads wait for each other at barriers and that waiting counts as CPU time too: use
   ``--threads 1`` there;
-- peak memory (not with ``--speed``). CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps (``peak_mb``, weights included) and
-  its rise over the memory allocated before them (``step_peak_mb``). CPU: the process's resident-set high-water
-  mark ``VmHWM`` (``peak_mb``) and its rise over the resident set after the model, the batch and the optimizer
-  state exist (``step_peak_mb``: activations, gradients and temporaries of a step). The warm-up step allocates the
-  optimizer state; the high-water mark is then reset through ``/proc/self/clear_refs`` and the child runs with
-  ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set (see fedkei_bilevel.py). Where
-  ``/proc`` is missing, ``resource.getrusage`` gives the process peak only. That setting makes every large tensor a
-  fresh mmap, which slows allocation-heavy CPU steps (LiteMedSAM's convolutions at 256×256: about 3×); ``--speed``
-  leaves glibc's defaults for the images/s a training run sees, and its memory columns are then not meaningful.
+- peak memory (not with ``--speed``). CUDA: ``torch.cuda.max_memory_allocated`` over the timed steps (``peak_mb``,
+  weights included) and its rise over the memory allocated before them (``step_peak_mb``). CPU: the process's
+  resident-set high-water mark ``VmHWM`` (``peak_mb``) and its rise over the resident set after the model, the batch
+  and the optimizer state exist (``step_peak_mb``: activations, gradients and temporaries of a step). The warm-up step
+  allocates the optimizer state; the high-water mark is then reset through ``/proc/self/clear_refs`` and the child
+  runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the resident set (see fedkei_bilevel.py).
+  Where ``/proc`` is missing, ``resource.getrusage`` gives the process peak only. That setting makes every large
+  tensor a fresh mmap, which slows allocation-heavy CPU steps (LiteMedSAM's convolutions at 256×256: about 3×);
+  ``--speed`` leaves glibc's defaults for the images/s a training run sees, and its memory columns are then not
+  meaningful.
 
     python benchmarks/backbone_speed.py --threads 1                        # both, batch 2, CPU: ~50 s
     python benchmarks/backbone_speed.py --device cuda --batch-size 32 --steps 20
