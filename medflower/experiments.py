@@ -13,6 +13,7 @@ File layout::
     targets:                       # optional: rounds until the mean over sites (or a pooled metric) first
       metric: balanced_accuracy    # reaches each value
       values: [0.55, 0.65, 0.75]
+    threads: 1                     # torch threads of every run (default 1): pinned, and recorded in config.json
     pretrain:                      # optional: foundation stand-ins the runs start from, built (once) when missing
       outputs/weights/vit-tiny-64-pool-mim.safetensors: --objective mim --dataset segfolder:data/ph2 --img-size 64
     base: {num-rounds: 5}          # run-config shared by every run
@@ -75,6 +76,9 @@ def load_plan(path: Path) -> dict[str, Any]:
     plan.setdefault("metrics", list(DEFAULT_METRICS))
     plan.setdefault("base", {})
     plan.setdefault("per-client", False)
+    plan.setdefault("threads", 1)
+    if not isinstance(plan["threads"], int) or isinstance(plan["threads"], bool) or plan["threads"] < 1:
+        raise ExperimentFileError(f"{path}: 'threads' must be a whole number >= 1, got {plan['threads']!r}")
     targets = plan.get("targets")
     if targets is not None and not (
         isinstance(targets, dict)
@@ -222,19 +226,30 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
 
 
 def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
+    """Every (run, seed) of the file, with torch's thread count pinned to the file's ``threads`` (results on the CPU
+    change with it: the order of floating-point sums does); config.json records it (``resolved.torch-threads``)."""
     build_stand_ins(plan)
     jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
     n = int(plan["num-supernodes"])
+    threads = int(plan["threads"])
     if engine == "inprocess":
+        import torch
+
         from .inprocess import run_inprocess
 
-        for i, (run, seed) in enumerate(jobs, 1):
-            print(f"[{i}/{len(jobs)}] {run['name']} seed {seed} (in process)", flush=True)
-            run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n, record_sent=False)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for i, (run, seed) in enumerate(jobs, 1):
+                print(f"[{i}/{len(jobs)}] {run['name']} seed {seed} (in process, {threads} thread(s))", flush=True)
+                run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n, record_sent=False)
+        finally:
+            torch.set_num_threads(before)
         return
     from .loopback import LoopbackFederation
 
-    with LoopbackFederation(num_supernodes=n, simulation=True, workdir=out_dir / ".superlink") as fed:
+    pinned = {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    with LoopbackFederation(num_supernodes=n, simulation=True, workdir=out_dir / ".superlink", extra_env=pinned) as fed:
         for i, (run, seed) in enumerate(jobs, 1):
             started = time.monotonic()
             print(f"[{i}/{len(jobs)}] {run['name']} seed {seed}: flwr run ...", flush=True)
@@ -402,7 +417,7 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
     lines = [
         f"Mean ± std over seeds {seeds} of the final mean-over-clients test metrics"
         + (f" ({', '.join(pooled)}: all sites' test rows pooled)" if pooled else "")
-        + f"; {plan['num-supernodes']} sites.",
+        + f"; {plan['num-supernodes']} sites; {plan.get('threads', 1)} torch thread(s) per run.",
         "",
         head,
         "|---|" + "---|" * (len(metrics) + len(targets) + len(epsilons) + 1),

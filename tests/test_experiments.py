@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from medflower.experiments import (
     ExperimentFileError,
@@ -46,6 +47,8 @@ def test_bad_files_name_the_run_and_key(tmp_path):
         load_plan(write_yaml(tmp_path / "e.yaml", {"reference": "locl", "runs": [{"name": "local"}]}))
     with pytest.raises(ExperimentFileError, match="appears twice"):
         load_plan(write_yaml(tmp_path / "c.yaml", {"runs": [{"name": "a"}, {"name": "a"}]}))
+    with pytest.raises(ExperimentFileError, match="'threads' must be a whole number >= 1, got 0"):
+        load_plan(write_yaml(tmp_path / "f.yaml", {"threads": 0, "runs": [{"name": "a"}]}))
 
 
 def test_runs_compare_and_plot_in_process(tmp_path, capsys):
@@ -57,12 +60,17 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
         "per-client": True,
         "reference": "local",
         "targets": {"metric": "auc", "values": [0.0, 1.01]},
+        "threads": 1,
         "base": TINY_BASE,
         "runs": [{"name": "fedavg", "strategy": "fedavg"}, {"name": "local", "strategy": "local"}],
     }
     path = write_yaml(tmp_path / "mini.yaml", plan)
+    torch.set_num_threads(2)
     assert main([str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]) == 0
+    assert torch.get_num_threads() == 2  # pinned for the runs only
     out = tmp_path / "out" / "mini"
+    config = json.loads((out / "fedavg-seed0" / "config.json").read_text())
+    assert config["resolved"]["torch-threads"] == 1
     result = json.loads((out / "comparison.json").read_text())
     assert set(result["table"]) == {"fedavg", "local"}
     for run in ("fedavg", "local"):
@@ -72,7 +80,7 @@ def test_runs_compare_and_plot_in_process(tmp_path, capsys):
     assert result["table"]["fedavg"]["auc"]["mean"] == pytest.approx(sum(finals) / 2)
     assert result["table"]["local"]["bytes_per_round"]["mean"] == 0
     table = (out / "comparison.md").read_text()
-    assert "| fedavg |" in table and "±" in table
+    assert "| fedavg |" in table and "±" in table and "1 torch thread(s) per run" in table
     assert result["table"]["fedavg"]["rounds_to_0.0"]["values"] == [1, 1]  # every round's mean reaches 0
     assert result["table"]["fedavg"]["rounds_to_1.01"]["values"] == [None, None]
     assert "rounds to 0% | rounds to 101% |" in table and "| 1.0 | not reached |" in table
