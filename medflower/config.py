@@ -38,6 +38,7 @@ from .options import (
     Option,
     bad,
     fraction_below_one,
+    in_range,
     non_negative,
     one_of,
     parsed,
@@ -143,12 +144,12 @@ def _holds_masks(dataset: str) -> bool:
 
 GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("strategy", "fedavg", "federated method (see the methods table)", _RegisteredStrategy()),
-    Option("num-rounds", 5, "federated rounds", positive),
+    Option("num-rounds", 5, "federated rounds", in_range(1, 100_000)),
     Option("seed", 0, "seed of data partitioning, model init, client sampling and training", _seed_check),
     Option(
         "fraction-train", 1.0, "fraction of connected nodes sampled for training each round", unit_interval_open_left
     ),
-    Option("min-nodes", 1, "nodes that must be connected before round 1 starts", positive),
+    Option("min-nodes", 1, "nodes that must be connected before round 1 starts", in_range(1, 100_000)),
     Option("node-wait-timeout", 120.0, "seconds to wait for min-nodes before giving up", positive),
     Option("round-timeout", 600.0, "seconds to wait for replies in one phase; late nodes are skipped", positive),
     Option(
@@ -167,7 +168,9 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "start over in a run folder that already holds a run (deletes its metrics, checkpoints and client state); "
         "without it such a folder is refused unless resume-from names it",
     ),
-    Option("keep-checkpoints", 3, "checkpoints kept in the run folder (the newest valid one is resumed)", positive),
+    Option(
+        "keep-checkpoints", 3, "checkpoints kept in the run folder (the newest valid one is resumed)", in_range(1, 1000)
+    ),
     Option(
         "site-registry",
         "",
@@ -204,13 +207,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("data-dir", "data", "folder holding <flag>.npz for medmnist sources", None, "data"),
     Option("partition", "dirichlet", "how data is split over clients", one_of(*PARTITIONS), "data"),
     Option("dirichlet-alpha", 0.5, "Dirichlet concentration of the label skew", positive, "data"),
-    Option("pathological-k", 2, "classes per client for the pathological partition", positive, "data"),
+    Option("pathological-k", 2, "classes per client for the pathological partition", in_range(1, 100_000), "data"),
     Option("val-fraction", 0.1, "per-client validation share (seeded, stratified)", fraction_below_one, "data"),
     Option("test-fraction", 0.2, "per-client test share (seeded, stratified)", fraction_below_one, "data"),
     Option(
         "use-source-splits", True, "keep the split a source gives (MedMNIST official, csv split column)", None, "data"
     ),
-    Option("synthetic-size", 2400, "samples in the synthetic pool (all clients together)", positive, "data"),
+    Option(
+        "synthetic-size", 2400, "samples in the synthetic pool (all clients together)", in_range(1, 1_000_000), "data"
+    ),
     Option(
         "intensity",
         "auto",
@@ -258,7 +263,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "num-classes",
         0,
         "classes of the head (segmentation: foreground classes); 0 = read from the data source",
-        non_negative,
+        in_range(0, 100_000),
         "data",
     ),
     Option(
@@ -313,9 +318,13 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         _weights_check,
         "model",
     ),
-    Option("img-size", 32, "input resolution", positive, "model"),
+    Option("img-size", 32, "input resolution", in_range(1, 4096), "model"),
     Option(
-        "patch-size", 8, "ViT patch size; 0 = the backbone's own (other backbones ignore it)", non_negative, "model"
+        "patch-size",
+        8,
+        "ViT patch size; 0 = the backbone's own (other backbones ignore it)",
+        in_range(0, 4096),
+        "model",
     ),
     Option(
         "adapter",
@@ -324,7 +333,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         one_of(*ADAPTERS),
         "model",
     ),
-    Option("lora-rank", 8, "LoRA rank r", positive, "model"),
+    Option("lora-rank", 8, "LoRA rank r", in_range(1, 4096), "model"),
     Option("lora-alpha", 16.0, "LoRA scaling alpha", positive, "model"),
     Option("adapter-targets", "", "comma-separated module names to adapt; empty = per-backbone default", None, "model"),
     Option("bottleneck-ratio", 0.25, "hidden/width ratio of bottleneck adapters", unit_interval_open_left, "model"),
@@ -353,8 +362,8 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         one_of("auto", "on", "off"),
         "model",
     ),
-    Option("local-epochs", 1, "local epochs per round", positive, "train"),
-    Option("batch-size", 32, "local batch size", positive, "train"),
+    Option("local-epochs", 1, "local epochs per round", in_range(1, 10_000), "train"),
+    Option("batch-size", 32, "local batch size", in_range(1, 65_536), "train"),
     Option("lr", 3e-3, "learning rate", positive, "train"),
     Option(
         "lr-decay",

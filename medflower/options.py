@@ -42,6 +42,19 @@ def fraction_below_one(v: float) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1)"
 
 
+def in_range(low: float, high: float) -> Check:
+    """A check that accepts ``low`` <= v <= ``high`` (an upper bound keeps a typo from becoming an allocation error on
+    the sites)."""
+
+    def check(v: float) -> str | None:
+        if low <= v <= high:
+            return None
+        side = ("must be > 0" if low == 1 else f"must be >= {low:g}") if v < low else f"must be <= {high:g}"
+        return f"{side} (valid range [{low:g}, {high:g}])"
+
+    return check
+
+
 def one_of(*choices: str) -> Check:
     """A check that accepts exactly ``choices``; the generated docs list them."""
 

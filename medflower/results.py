@@ -205,6 +205,11 @@ def privacy_lines(privacy: Mapping[str, Any]) -> list[str]:
             f"{sgd['max_grad_norm']:g}): **ε ≤ {sgd['epsilon']:.3f}** at δ = {privacy['delta']:g}{target}, per site: "
             f"{per_site or 'none reported'} ({sgd['accountant']})."
         )
+        for d in sgd.get("epsilon_decreases") or []:  # a site's ε never decreases in the ledger: flagged
+            lines.append(
+                f"**Flag**: site {d['client']} reported DP-SGD ε = {d['reported']:.3f} in round {d['round']}, below "
+                f"its earlier {d['kept']:.3f}; the ledger kept {d['kept']:.3f} (docs/privacy.md#accounting)."
+            )
     return lines
 
 

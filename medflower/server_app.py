@@ -18,6 +18,7 @@ from .data import describe_source
 from .data.partition import check_partition_supported
 from .models import build_model
 from .privacy import check_dp_sgd_model
+from .privacy.ledger import check_client_dp_model
 from .results import RunRecorder, safe_name
 from .strategies.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 
@@ -93,6 +94,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
     model = build_model(model_spec, method.model_classes(num_classes))
     check_dp_sgd_model(cfg, model)  # before round 1: every trainable layer needs Opacus's per-sample gradients
+    check_client_dp_model(cfg, model)  # before round 1: no noise on BatchNorm running statistics
     initial = model.get_trainable()
     strategy = method(cfg, recorder, initial, num_classes)
     if cfg.resume_from:

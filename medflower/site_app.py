@@ -18,7 +18,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from .config import ExperimentConfig
+from .data.roots import site_reads
 from .privacy import privatise_train_reply
+from .privacy.policy import SitePolicy, check_before_training, record_after_training
 from .privacy.secagg import secagg_mod
 from .site_worker import SiteError
 from .strategies import STRATEGIES
@@ -42,9 +44,16 @@ def handle(message: Message, context: Context) -> Message:
         handler = getattr(half, action or category)
         if message.metadata.message_type == "train" and cfg.evaluate_in_train and runtime.round > 1:
             handler = half.train_after_evaluating  # the previous round's evaluation rides in this reply
-        content = handler(message)
+        policy = SitePolicy.from_node_config(context.node_config)  # the site's own limits (node config)
+        trains = category == "train"
+        with site_reads(context.node_config, own_data=runtime.data_path is not None):  # open-time checks
+            if trains and policy.active:
+                check_before_training(runtime, cfg, policy)
+            content = handler(message)
         if message.metadata.message_type == "train":  # run-config dp: clip (and noise) the update before it leaves
             content = privatise_train_reply(message.content, content, cfg)
+            metrics = content.metric_records.get("metrics") if hasattr(content, "metric_records") else None
+            record_after_training(runtime, cfg, policy, metrics)
         return Message(content, reply_to=message)
     except Exception as err:
         kind = type(err).__name__

@@ -196,3 +196,48 @@ def test_in_process_runs_read_run_config_paths_without_data_roots(tmp_path, monk
     }
     summary, _ = run_inprocess(config, num_nodes=2)
     assert len(summary["per_client"]) == 2
+
+
+# ----------------------------------------------------------------------------- model files and open-time checks
+def test_model_files_named_by_the_run_config_are_confined_too(tmp_path):
+    from medflower.data.roots import check_model_paths
+    from medflower.models.spec import ModelSpec
+
+    roots, outside = tmp_path / "roots", tmp_path / "outside"
+    roots.mkdir()
+    outside.mkdir()
+    np.save(outside / "emb.npy", np.zeros((2, 4), np.float32))
+    (outside / "w.safetensors").write_bytes(b"x")
+    node = {"data-roots": str(roots)}
+    runtime = partition_runtime(node, **{"backbone-weights": str(outside / "w.safetensors")})
+    with pytest.raises(DataError, match="run-config backbone-weights .* outside this site's node-config data-roots"):
+        _ = runtime.model  # before the site builds its model
+    with pytest.raises(DataError, match="run-config class-embeddings .* outside this site's node-config data-roots"):
+        check_model_paths(ModelSpec(head="text", class_embeddings=str(outside / "emb.npy")), node)
+    encoder = roots / "encoder"
+    encoder.mkdir()
+    (encoder / "config.json").symlink_to(outside / "emb.npy")  # a folder inside, a file of it linked out
+    with pytest.raises(DataError, match="run-config text-encoder .* 1 file"):
+        check_model_paths(ModelSpec(text_encoder=str(encoder)), node)
+    for weights in ("auto", "none"):  # no path: 'auto' for litemedsam reads the installed package's own file
+        check_model_paths(ModelSpec(backbone="litemedsam", weights=weights), node)
+    with pytest.raises(DataError, match=NOT_SIMULATED.replace("names files", "names a file")):
+        check_model_paths(ModelSpec(weights=str(roots / "w.pt")), {})
+
+
+def test_a_file_swapped_for_a_symlink_after_the_roots_check_is_refused_when_opened(tmp_path):
+    from medflower.data.roots import site_reads
+
+    roots, outside = tmp_path / "roots", tmp_path / "outside"
+    manifest = write_manifest(roots, n=10)
+    outside.mkdir()
+    Image.fromarray(np.full((12, 12, 3), 7, np.uint8)).save(outside / "secret.png")
+    node = {"data-roots": str(roots)}
+    runtime = partition_runtime(node, dataset=f"csv:{manifest}")
+    data = runtime.data  # the listing check passes (and is cached)
+    for png in (roots / "img").glob("*.png"):
+        png.unlink()
+        png.symlink_to(outside / "secret.png")
+    check_data_roots(DataSpec(dataset=f"csv:{manifest}"), node)  # cached: still passes
+    with site_reads(node), pytest.raises(DataError, match="outside this site's node-config data-roots when opened"):
+        data.train[0]

@@ -144,6 +144,9 @@ def test_the_mask_decoder_trains_without_its_iou_head_and_the_prompt_encoder_sta
     x = torch.rand(2, 3, 32, 32)
     model(x).sum().backward()
     assert all(p.grad is not None for p in model.trainable_parameters().values())
+    with torch.no_grad():
+        logits, features = model.eval().forward_with_features(x)
+        assert torch.allclose(logits, model(x)) and torch.allclose(features, model.features(x))
     with pytest.raises(ModelError, match="at most 4 structures"):
         tiny_model(tiny_file, adapter="none", classes=5)
 
@@ -441,11 +444,12 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
     from medflower.data.synthetic_seg import write_segfolder
 
     root = write_segfolder(tmp_path / "fed", {"a": 0, "b": 1}, per_site=8, size=32, seed=0)
+    weights = shutil.copy(tiny_file, tmp_path / "lite.pth")  # below the sites' data-roots, as every run-config path
     run_config = {
         "dataset": f"segfolder:{root}",
         "partition": "natural",
         "backbone": "litemedsam",
-        "backbone-weights": str(tiny_file),
+        "backbone-weights": str(weights),
         "img-size": 32,
         "adapter": "none",
     }

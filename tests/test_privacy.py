@@ -25,6 +25,7 @@ from medflower.privacy import (
     update_norm,
 )
 from medflower.privacy.accounting import max_rounds_within, min_noise_within, planned_epsilon
+from medflower.privacy.dp_sgd import batches_per_epoch
 from medflower.strategies.records import from_record, to_record
 
 
@@ -141,16 +142,17 @@ def test_the_suggested_noise_and_rounds_meet_the_target():
     assert planned_epsilon(2.0, r, delta) <= target < planned_epsilon(2.0, r + 1, delta)
 
 
-def test_ledger_stops_before_the_round_that_would_exceed_the_target():
+@pytest.mark.parametrize("mode, sensitivity", [("server", 1.0), ("site", 2.0)])
+def test_ledger_stops_before_the_round_that_would_exceed_the_target(mode, sensitivity):
     z, delta = 1.0, 1e-5
-    target = (planned_epsilon(z, 3, delta) + planned_epsilon(z, 4, delta)) / 2
+    target = (planned_epsilon(z, 3, delta, sensitivity) + planned_epsilon(z, 4, delta, sensitivity)) / 2
     cfg = ExperimentConfig.from_run_config(
-        {"dp": "site", "dp-noise-multiplier": z, "dp-target-epsilon": target, "num-rounds": 3}, check_paths=False
+        {"dp": mode, "dp-noise-multiplier": z, "dp-target-epsilon": target, "num-rounds": 3}, check_paths=False
     )
     ledger = PrivacyLedger(cfg)
     for rnd in range(1, 4):
         assert ledger.allows_next_round()
-        assert ledger.after_round({})["dp_epsilon"] == pytest.approx(planned_epsilon(z, rnd, delta))
+        assert ledger.after_round({})["dp_epsilon"] == pytest.approx(planned_epsilon(z, rnd, delta, sensitivity))
     assert not ledger.allows_next_round()
 
 
@@ -186,9 +188,16 @@ def test_ledger_stops_before_the_round_that_would_exceed_the_target():
         ({"dp-sgd": True, "dp-sgd-max-grad-norm": 0.0}, r"'dp-sgd-max-grad-norm' = 0.0 is invalid: must be > 0"),
         ({"dp-sgd": True, "dp-sgd-noise-multiplier": float("nan")}, r"'dp-sgd-noise-multiplier' = nan .*finite"),
         (
-            {"dp": "site", "dp-target-epsilon": 5.0, "num-rounds": 10},
+            {"dp": "server", "dp-target-epsilon": 5.0, "num-rounds": 10},
             r"'dp-target-epsilon' = 5.0 is invalid: the plan spends ε = 19.1 at dp-delta = 1e-05 \(10 rounds at "
-            r"dp-noise-multiplier = 1\); within the target: dp-noise-multiplier >= 3\.\d+, or num-rounds <= 1",
+            r"dp-noise-multiplier = 1, dp='server': sensitivity 1·C\); within the target: dp-noise-multiplier >= "
+            r"3\.\d+, or num-rounds <= 1",
+        ),
+        (
+            {"dp": "site", "dp-target-epsilon": 5.0, "num-rounds": 10},
+            r"'dp-target-epsilon' = 5.0 is invalid: the plan spends ε = 48.8 at dp-delta = 1e-05 \(10 rounds at "
+            r"dp-noise-multiplier = 1, dp='site': sensitivity 2·C\); within the target: dp-noise-multiplier >= "
+            r"6\.\d+ \(not one round fits at this noise multiplier\)",
         ),
     ],
 )
@@ -204,11 +213,13 @@ def test_site_mode_run_reports_epsilon_every_round_and_in_the_summary(tiny, capl
     summary, _ = run_inprocess(config, num_nodes=3)
     run_dir = run_dir_of(config)
     server = records(run_dir, "server")
-    assert [r["dp_epsilon"] for r in server] == pytest.approx([planned_epsilon(z, r, 1e-5) for r in (1, 2, 3)])
+    # dp='site': replace-one (any two datasets of a site), sensitivity 2C against noise z·C
+    assert [r["dp_epsilon"] for r in server] == pytest.approx([planned_epsilon(z, r, 1e-5, 2.0) for r in (1, 2, 3)])
     privacy = json.loads((run_dir / "summary.json").read_text())["privacy"]
     assert privacy == summary["privacy"]
     level = privacy["client_level"]
-    assert level["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5)) and level["rounds"] == 3
+    assert level["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5, 2.0)) and level["rounds"] == 3
+    assert level["neighbouring"].startswith("replace-one")
     assert f"ε = {level['epsilon']:.3f}** at δ = 1e-05 after 3 rounds" in (run_dir / "summary.md").read_text()
     assert "epsilon=" in caplog.text
 
@@ -239,7 +250,7 @@ def test_resumed_run_goes_on_counting_epsilon(tiny):
     resumed = tiny(**{"run-name": "dp-resumed", "num-rounds": 3, "resume-from": str(run_dir_of(part)), **common})
     summary, _ = run_inprocess(resumed, num_nodes=2)
     assert summary["privacy"]["client_level"]["rounds"] == 3
-    assert summary["privacy"]["client_level"]["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5))
+    assert summary["privacy"]["client_level"]["epsilon"] == pytest.approx(planned_epsilon(z, 3, 1e-5, 2.0))
 
 
 # ----------------------------------------------------------------------------- DP-SGD
@@ -295,8 +306,7 @@ def test_dp_sgd_run_reports_each_sites_epsilon(tiny, caplog):
     summary, _ = run_inprocess(config, num_nodes=2)
     train = records(run_dir_of(config), "train")
     for r in train:
-        n = r["num-examples"]
-        batches = math.ceil(n / batch)
+        batches = batches_per_epoch(r["num-examples"], batch)  # as the site's training loader counts them
         assert r["dp_sgd_epsilon"] == pytest.approx(dp_sgd_epsilon(z, 1 / batches, r["round"] * batches, 1e-5))
     server = records(run_dir_of(config), "server")
     assert server[-1]["dp_sgd_epsilon"] == pytest.approx(max(r["dp_sgd_epsilon"] for r in train if r["round"] == 2))

@@ -154,37 +154,14 @@ def run_encoder(
     return np.concatenate(chunks)
 
 
-class EncodedDataset(Dataset):
-    """Items ``(encoder output (float16), target)``: item i's output is ``outputs[positions[i]]``; the wrapped split's
-    labels, task and image size."""
+class SplitView(Dataset):
+    """A view of a site's split that the loader reads differently: the split's items, labels, task and image size
+    (``transforms.target_*`` look through ``dataset`` for anything else)."""
 
-    encoded = True
-    augment = ""
-
-    def __init__(self, dataset: Dataset, outputs: np.ndarray, positions: np.ndarray | None = None) -> None:
+    def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
-        self.outputs = outputs
-        self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, dtype=np.int64)
         self.labels = getattr(dataset, "labels", None)
         self.task = getattr(dataset, "task", "classification")
-        self.img_size = getattr(dataset, "img_size", None)
-
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def __getitem__(self, i: int):
-        return np.array(self.outputs[int(self.positions[i])]), self.dataset[int(i)][1]
-
-
-class BoxPrompts(Dataset):
-    """A segmentation split whose batches carry their masks' boxes: the loader appends ``box_prompts`` box planes to
-    x (``transforms.box_planes``), the prompts of LiteMedSAM's ``sam-prompt='box'``. Items are the wrapped split's."""
-
-    def __init__(self, dataset: Dataset, structures: int) -> None:
-        self.dataset = dataset
-        self.box_prompts = structures
-        self.labels = getattr(dataset, "labels", None)
-        self.task = getattr(dataset, "task", "segmentation")
         self.img_size = getattr(dataset, "img_size", None)
 
     def __len__(self) -> int:
@@ -192,3 +169,27 @@ class BoxPrompts(Dataset):
 
     def __getitem__(self, i: int):
         return self.dataset[i]
+
+
+class EncodedDataset(SplitView):
+    """Items ``(encoder output (float16), target)``: item i's output is ``outputs[positions[i]]``."""
+
+    encoded = True
+    augment = ""
+
+    def __init__(self, dataset: Dataset, outputs: np.ndarray, positions: np.ndarray | None = None) -> None:
+        super().__init__(dataset)
+        self.outputs = outputs
+        self.positions = np.arange(len(dataset)) if positions is None else np.asarray(positions, dtype=np.int64)
+
+    def __getitem__(self, i: int):
+        return np.array(self.outputs[int(self.positions[i])]), self.dataset[int(i)][1]
+
+
+class BoxPrompts(SplitView):
+    """A segmentation split whose batches carry their masks' boxes: the loader appends ``box_prompts`` box planes to
+    x (``transforms.box_planes``), the prompts of LiteMedSAM's ``sam-prompt='box'``. Items are the wrapped split's."""
+
+    def __init__(self, dataset: Dataset, structures: int) -> None:
+        super().__init__(dataset)
+        self.box_prompts = structures

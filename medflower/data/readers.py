@@ -14,13 +14,24 @@ Every 2-D reader gives uint8 (img_size, img_size, 3): intensities in [0, 1] beco
 resize. Volumes (``read_volume``) are NIfTI files, DICOM series folders or multi-frame DICOM files, returned as float32
 (i, j, k) with their voxel spacing; ``medflower.data.volumes`` slices them. See docs/data.md#medical-image-formats.
 
+Every file may be hostile. Before any pixel is decoded, the size the decoded array would take is read from the file's
+header (PIL's lazy open, nibabel's header, DICOM Rows/Columns/frames/bits, the ``.npy`` headers of an ``.npz``) and
+refused above the site's node-config ``max-image-bytes`` (``ReadPolicy``; docs/data.md#input-limits). Every file is
+opened by its real path (symlinks followed), checked at that moment against node-config ``data-roots`` when the site
+confines its reads (``set_read_policy``, set by ``roots.check_data_roots``), so a file swapped for a symlink after the
+data-roots check is still refused.
+
 pydicom, nibabel and MONAI are imported inside the functions that need them: MONAI alone takes seconds to import,
 and most runs read no such file.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import zipfile
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +49,140 @@ PIXEL_DATA_KEYWORDS = ("PixelData", "FloatPixelData", "DoubleFloatPixelData")
 # what pydicom raises for a missing or malformed attribute (e.g. no BitsStored or PixelRepresentation)
 DICOM_ATTRIBUTE_ERRORS = (AttributeError, KeyError, TypeError, IndexError, NotImplementedError)
 VOLUMES_HINT = "read it as a volume instead: dataset 'volumes:<root>' (docs/data.md#volumes)"
+MAX_BYTES_KEY = "max-image-bytes"  # node-config: the largest decoded image, volume or npz array a site allocates
+DEFAULT_MAX_IMAGE_BYTES = 2**30  # 1 GiB
+DECODED_ITEM_BYTES = 4  # images and volumes are counted as the float32 (or RGBA) arrays they may be decoded to
+BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+              "t": 2**40, "tib": 2**40}
+
+
+# ----------------------------------------------------------------------------- what a site may read
+@dataclass(frozen=True)
+class ReadPolicy:
+    """The site's limits on reading: ``roots`` (real paths of node-config data-roots; None = not confined) and
+    ``max_bytes`` (node-config max-image-bytes)."""
+
+    roots: tuple[str, ...] | None = None
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+
+
+_POLICY = ReadPolicy()
+
+
+def read_policy() -> ReadPolicy:
+    return _POLICY
+
+
+def set_read_policy(roots: Iterable[str] | None, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> None:
+    """Make every later read of this process confined to ``roots`` (None: anywhere) and ``max_bytes`` per decoded
+    array. Loader worker processes forked afterwards inherit it."""
+    global _POLICY
+    real = None if roots is None else tuple(os.path.realpath(os.path.expanduser(str(r))) for r in roots)
+    _POLICY = ReadPolicy(real, int(max_bytes))
+
+
+def max_image_bytes(node_config: Mapping) -> int:
+    """node-config ``max-image-bytes`` as bytes (an integer, or a number with KiB/MiB/GiB/TiB), default 1 GiB;
+    DataError naming the key for anything else."""
+    raw = node_config.get(MAX_BYTES_KEY)
+    if raw is None or str(raw).strip() == "":
+        return DEFAULT_MAX_IMAGE_BYTES
+    text = str(raw).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        value = float(number) * BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = float("nan")
+    if isinstance(raw, bool) or not (math.isfinite(value) and value >= 1):
+        raise DataError(f"node-config {MAX_BYTES_KEY} = {raw!r}: expected a size in bytes >= 1, e.g. 1073741824 "
+                        "or '4GiB' (docs/deployment.md#per-site-data)")
+    return int(value)
+
+
+def _human(size: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover
+
+
+def check_decoded_size(path: str | Path, what: str, shape: Iterable[int], item_bytes: int) -> None:
+    """DataError naming ``path``, the bytes decoding ``what`` of ``shape`` (``item_bytes`` each) would need and the
+    limit, when that is above node-config max-image-bytes; nothing is allocated."""
+    dims = [int(n) for n in shape]
+    if any(n < 0 for n in dims):
+        raise DataError(f"{path}: {what} has a negative dimension {tuple(dims)}")
+    need = math.prod(dims) * max(int(item_bytes), 1)
+    limit = _POLICY.max_bytes
+    if need > limit:
+        raise DataError(
+            f"{path}: decoding this {what} of shape {tuple(dims)} would need {need} bytes ({_human(need)}), above this "
+            f"site's limit of {limit} bytes ({_human(limit)}, node-config {MAX_BYTES_KEY}); an operator who trusts "
+            f"the file raises it, e.g. flower-supernode ... --node-config \"{MAX_BYTES_KEY}={max(need, limit * 2)}\" "
+            "(docs/data.md#input-limits)"
+        )
+
+
+def _is_below(real: str, roots: Iterable[str]) -> bool:
+    return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+def opened_path(path: str | Path) -> str:
+    """The real path of ``path`` (symlinks followed, '..' removed), resolved now, just before it is opened; DataError
+    when the site confines its reads (node-config data-roots) and it lies outside them. Open the returned path."""
+    real = os.path.realpath(os.path.expanduser(str(path)))
+    roots = _POLICY.roots
+    if roots is not None and not _is_below(real, roots):
+        raise DataError(
+            f"{path}: resolves (symlinks followed) outside this site's node-config data-roots when opened; it is not "
+            "read (the site operator allows a folder by adding it to data-roots; see docs/data.md#data-roots)"
+        )
+    return real
+
+
+def open_pil(path: str | Path, where: str | None = None) -> Image.Image:
+    """PIL's lazy open of ``path`` (``opened_path``: confined), its size and mode checked against max-image-bytes
+    before any pixel is decoded; PIL's own decompression-bomb limit stays in force."""
+    image = Image.open(opened_path(path))
+    try:
+        bands = max(len(image.getbands()), 1)
+        item = max(DECODED_ITEM_BYTES, bands * (2 if image.mode.startswith("I;16") else 1))
+        check_decoded_size(where or path, f"image (mode {image.mode})", (image.size[1], image.size[0]), item)
+    except BaseException:
+        image.close()
+        raise
+    return image
+
+
+def check_npz(path: str | Path) -> None:
+    """Every array of an ``.npz`` (its ``.npy`` headers, nothing decompressed) within max-image-bytes; DataError
+    naming the file and the array otherwise."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with archive.open(info) as member:
+                    shape, dtype = _npy_header(member)
+                check_decoded_size(path, f"array {info.filename[:-4]!r} ({dtype})", shape, dtype.itemsize)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, zlib.error) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"{path}: cannot read npz file: {exc}") from exc
+
+
+def _npy_header(handle) -> tuple[tuple[int, ...], np.dtype]:
+    fmt = np.lib.format
+    version = fmt.read_magic(handle)
+    if version == (1, 0):
+        shape, _, dtype = fmt.read_array_header_1_0(handle)
+    elif version == (2, 0):
+        shape, _, dtype = fmt.read_array_header_2_0(handle)
+    else:
+        shape, _, dtype = fmt._read_array_header(handle, version)  # 3.0: no public reader
+    return tuple(shape), np.dtype(dtype)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -56,9 +201,9 @@ def file_format(path: str | Path) -> str:
 def has_dicom_preamble(path: str | Path) -> bool:
     """The file starts with the 128-byte preamble and 'DICM' (a DICOM Part 10 file)."""
     try:
-        with open(path, "rb") as handle:
+        with open(opened_path(path), "rb") as handle:
             head = handle.read(132)
-    except OSError:
+    except (OSError, DataError):  # outside data-roots: not read here, refused by the reader that opens it
         return False
     return len(head) == 132 and head[128:] == b"DICM"
 
@@ -151,7 +296,9 @@ def read_image(path: str | Path, img_size: int, intensity: str = "auto", where: 
 
 def _pil_image(path: str | Path, img_size: int, intensity: str, where: str) -> np.ndarray:
     try:
-        image = Image.open(path)
+        image = open_pil(path, where)
+    except DataError:
+        raise
     except (OSError, ValueError) as exc:  # PIL cannot identify it: a 16-bit colour TIFF is read with tifffile
         if str(path).lower().endswith((".tif", ".tiff")):
             return resize_rgb(_tiff_image(path, intensity, where, exc), img_size)
@@ -170,7 +317,11 @@ def _tiff_image(path: str | Path, intensity: str, where: str, pil_error: Excepti
     except ImportError:
         raise DataError(f"{where}: {pil_error}; a 16-bit colour TIFF needs the tifffile package "
                         "(pip install tifffile)") from pil_error
-    values = np.asarray(tifffile.imread(path))
+    with tifffile.TiffFile(opened_path(path)) as tiff:
+        series = tiff.series[0]
+        check_decoded_size(where, f"TIFF ({series.dtype})", series.shape, max(DECODED_ITEM_BYTES,
+                                                                              np.dtype(series.dtype).itemsize))
+        values = np.asarray(series.asarray())
     if values.ndim == 3 and values.shape[-1] in (3, 4):
         values = values[..., :3]
     elif values.ndim != 2:
@@ -193,7 +344,9 @@ def nifti_2d(path: str | Path, where: str) -> np.ndarray:
     import nibabel as nib
 
     try:
-        image = nib.load(str(path))
+        image = nib.load(opened_path(path))
+    except DataError:
+        raise
     except (OSError, ValueError, EOFError, zlib.error, nib.filebasedimages.ImageFileError) as exc:
         raise DataError(f"{where}: not a readable NIfTI file: {exc}") from exc
     shape = tuple(image.shape)
@@ -205,7 +358,13 @@ def nifti_2d(path: str | Path, where: str) -> np.ndarray:
 
 
 def _nifti_values(image, where: str) -> np.ndarray:
-    """The voxel values with the file's scaling applied (the stored dtype when it has none)."""
+    """The voxel values with the file's scaling applied (the stored dtype when it has none); the header's shape and
+    data type checked against max-image-bytes before anything is decoded."""
+    stored = np.dtype(image.header.get_data_dtype())
+    slope, inter = image.header.get_slope_inter()
+    scaled = slope not in (None, 1.0) or inter not in (None, 0.0)
+    item = max(DECODED_ITEM_BYTES, stored.itemsize, 8 if scaled else 0)  # nibabel scales in float64
+    check_decoded_size(where, f"NIfTI volume ({stored})", image.shape, item)
     values = np.asanyarray(image.dataobj)
     if values.dtype.kind not in "biuf":
         raise DataError(f"{where}: NIfTI data type {values.dtype} is not supported (expected integer or float "
@@ -219,7 +378,9 @@ def _dicom_dataset(path: str | Path, where: str):
     from pydicom.errors import InvalidDicomError
 
     try:
-        dataset = pydicom.dcmread(str(path), force=True)
+        dataset = pydicom.dcmread(opened_path(path), force=True)
+    except DataError:
+        raise
     except (InvalidDicomError, OSError, ValueError, EOFError, KeyError, TypeError) as exc:
         raise DataError(f"{where}: not a readable DICOM file: {exc}") from exc
     if not any(keyword in dataset for keyword in PIXEL_DATA_KEYWORDS):
@@ -230,7 +391,20 @@ def _dicom_dataset(path: str | Path, where: str):
     return dataset
 
 
+def dicom_decoded_shape(dataset) -> tuple[tuple[int, ...], int]:
+    """(frames, rows, columns, samples) and bytes per sample of a dataset's pixel data, from its attributes."""
+    try:
+        shape = (_frames(dataset), int(dataset.get("Rows") or 0), int(dataset.get("Columns") or 0),
+                 int(dataset.get("SamplesPerPixel") or 1))
+        bits = int(dataset.get("BitsAllocated") or 8)
+    except (TypeError, ValueError):
+        shape, bits = (0,), 8
+    return shape, max(DECODED_ITEM_BYTES, -(-bits // 8))
+
+
 def _dicom_pixels(dataset, where: str) -> np.ndarray:
+    shape, item = dicom_decoded_shape(dataset)
+    check_decoded_size(where, "DICOM pixel data", shape, item)
     try:
         return dataset.pixel_array
     except Exception as exc:  # pydicom raises many kinds (missing decoder plugin, bad length, bad attributes)
@@ -346,7 +520,7 @@ def load_volume(path: str | Path) -> Volume:
 
     where = f"{path}: cannot read NIfTI volume"
     try:
-        image = nib.load(str(path))
+        image = nib.load(opened_path(path))
         values = _nifti_values(image, where)
         zooms = tuple(float(z) for z in image.header.get_zooms())
     except DataError:
@@ -381,6 +555,8 @@ def _dicom_series(folder: Path) -> Volume:
                         "with the DICM preamble)")
     datasets = [_dicom_dataset(p, f"{p}: cannot read DICOM slice") for p in files]
     _check_series(folder, files, datasets)
+    frame, item = dicom_decoded_shape(datasets[0])
+    check_decoded_size(folder, f"DICOM series of {len(files)} slices", (len(files), *frame[1:]), item)
     order = _slice_order(folder, files, datasets)
     slices, monochrome1, eight_bit = [], False, True
     for position in order:

@@ -11,22 +11,35 @@ With no data-roots, a site in a deployment refuses such datasets; in Flower's si
 in-process grid (``medflower/inprocess.py``), where one operator owns every simulated site, they are read as
 before. A site's own node-config ``data-path`` is the operator's choice and needs no data-roots; synthetic
 datasets name no path. See docs/data.md#data-roots.
+
+The same holds for the other files a run config names: ``backbone-weights`` (a file or a Hugging Face cache folder;
+'none' and 'auto' name no path, and 'auto' for LiteMedSAM reads the installed package's own file),
+``class-embeddings`` and ``text-encoder`` (``check_model_paths``). The listing check of a dataset is cached, so while a
+site handles a message (``site_reads``) every image, mask, volume and npz file is also checked when it is opened
+(``readers.opened_path``: its real path at that moment), and no decoded array may exceed node-config
+``max-image-bytes`` (docs/data.md#input-limits).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 from ..engine import SIMULATION_CALLERS, in_simulation  # noqa: F401 (re-exported)
 from . import segfolder
+from .readers import max_image_bytes, read_policy, set_read_policy
 from .sources import medmnist_path, open_source_by_key, source_key
 from .spec import ARGLESS_KINDS, DataError, DataSpec, list_rows
 
 ROOTS_KEY = "data-roots"
 ROOTS_ENV = "MEDFLOWER_DATA_ROOTS"
+# run-config keys naming files a site's model reads (ModelSpec attribute), besides the dataset's
+MODEL_PATH_KEYS = (("backbone-weights", "weights"), ("class-embeddings", "class_embeddings"),
+                   ("text-encoder", "text_encoder"))
+NOT_PATHS = ("", "none", "auto")  # backbone-weights values that name no file
 
 
 def data_roots(node_config: Mapping) -> tuple[str, ...] | None:
@@ -40,6 +53,57 @@ def is_below(path: str | Path, roots: Iterable[str]) -> bool:
     """``path`` resolves (symlinks followed) to one of ``roots`` (real paths) or below one."""
     real = os.path.realpath(os.path.expanduser(str(path)))
     return any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+@contextmanager
+def site_reads(node_config: Mapping, own_data: bool = False) -> Iterator[None]:
+    """While a site handles a message: every file the data layer opens is checked at open time against node-config
+    data-roots (not for a site's own ``data-path``, the operator's choice; not without data-roots, where
+    ``check_data_roots`` decides), and every decoded array against node-config max-image-bytes."""
+    previous = read_policy()
+    set_read_policy(None if own_data else data_roots(node_config), max_image_bytes(node_config))
+    try:
+        yield
+    finally:
+        set_read_policy(previous.roots, previous.max_bytes)
+
+
+def check_model_paths(spec, node_config: Mapping) -> None:
+    """Refuse, before the model is built, a run-config ``backbone-weights``, ``class-embeddings`` or ``text-encoder``
+    path that resolves outside node-config data-roots (a folder: any file below it); the rules of
+    ``check_data_roots``. ``spec``: the site's ModelSpec."""
+    named = [(key, str(getattr(spec, attr, "") or "")) for key, attr in MODEL_PATH_KEYS]
+    named = [(key, value) for key, value in named if value.strip().lower() not in NOT_PATHS]
+    if not named:
+        return
+    roots = data_roots(node_config)
+    if roots is None:
+        if in_simulation():
+            return
+        key, value = named[0]
+        raise DataError(
+            f"run-config {key} {value!r} names a file on this site, but this SuperNode sets no node-config "
+            f"{ROOTS_KEY}: a site reads run-config paths only below the folders its operator lists, e.g. "
+            f"flower-supernode ... --node-config \"{ROOTS_KEY}='/data/shared'\" (or the environment variable "
+            f"{ROOTS_ENV}); see docs/data.md#data-roots"
+        )
+    for key, value in named:
+        path = Path(value).expanduser()
+        _require_below(f"run-config {key} {value!r}", path, roots)
+        if path.is_dir():
+            outside = [str(p) for p in _below_folder(path) if not is_below(p, roots)]
+            if outside:
+                raise DataError(
+                    f"run-config {key} {value!r}: {len(outside)} file(s) below it resolve (symlinks followed) "
+                    f"outside this site's node-config {ROOTS_KEY}: {list_rows(outside, 5)}"
+                )
+
+
+def _below_folder(folder: Path) -> Iterator[Path]:
+    """Every file and link below ``folder`` (links not followed into folders)."""
+    for top, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            yield Path(top) / name
 
 
 def check_data_roots(spec: DataSpec, node_config: Mapping) -> None:

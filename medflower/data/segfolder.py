@@ -46,7 +46,7 @@ import numpy as np
 from PIL import Image
 
 from .maskmap import MaskValueMap
-from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, PIL_EXTENSIONS, nifti_2d
+from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, PIL_EXTENSIONS, nifti_2d, open_pil
 from .spec import DataError, list_rows
 
 IMAGE_EXTENSIONS = (*PIL_EXTENSIONS, *DICOM_EXTENSIONS, *NIFTI_EXTENSIONS)
@@ -392,7 +392,7 @@ def mask_pixels(path: Path, value_map: MaskValueMap | None = None) -> np.ndarray
 
 def _pil_pixels(path: Path) -> np.ndarray:
     try:
-        with Image.open(path) as image:
+        with open_pil(path, f"{path}: cannot open mask") as image:
             if image.mode in ("1", "CMYK", "YCbCr", "LAB", "HSV"):
                 image = image.convert("L")
             pixels = np.asarray(image)

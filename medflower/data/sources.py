@@ -28,6 +28,7 @@ from .image_datasets import (
     SegFileDataset,
 )
 from .maskmap import parse_mask_values
+from .readers import check_npz, opened_path
 from .spec import SEGMENTATION_KINDS, DataError, DataSpec, list_rows
 
 SPLITS = ("train", "val", "test")
@@ -187,7 +188,11 @@ class MedmnistSource(Source):
 
     def _open(self) -> np.lib.npyio.NpzFile:
         try:
-            return np.load(self.path, allow_pickle=False)
+            real = opened_path(self.path)  # confined when opened; every array's size read from its header first
+            check_npz(real)
+            return np.load(real, allow_pickle=False)
+        except DataError:
+            raise
         except (OSError, ValueError) as exc:
             raise DataError(f"{self.path}: cannot read npz file: {exc}") from exc
 

@@ -171,7 +171,10 @@ class PromptedSegmenter(AdaptedModel):
         return inputs if self.encoded_inputs else self.backbone.forward_features(self.input_norm(inputs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        embedding = self.encoder_output(x)
+        return self._logits(self.encoder_output(x), x)
+
+    def _logits(self, embedding: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The mask decoder's logits for ``embedding``, with the boxes of ``x``'s box planes in box mode."""
         _, planes = self._split(x)
         boxes = None
         if planes is not None:
@@ -188,7 +191,9 @@ class PromptedSegmenter(AdaptedModel):
         return self.encoder_output(x).mean(dim=(2, 3))
 
     def forward_with_features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self(x), self.features(x)
+        """(logits, pooled features) from one encoder pass."""
+        embedding = self.encoder_output(x)
+        return self._logits(embedding, x), embedding.mean(dim=(2, 3))
 
 
 def build_prompted_segmenter(spec: ModelSpec, num_classes: int) -> PromptedSegmenter:

@@ -17,7 +17,7 @@ and U-Net trained whole) do not, and are refused before round 1.
 
 from __future__ import annotations
 
-import math
+import functools
 import secrets
 from collections.abc import Iterable
 
@@ -124,6 +124,29 @@ class PrivateTraining:
             optimizer.original_optimizer.step()
         self.steps += 1
 
+    def noise_step(self, optimizer, extra_loss: torch.Tensor | None, params: Iterable[nn.Parameter]):
+        """An empty Poisson batch: the step releases noise alone, as Opacus's does (its sum of clipped per-sample
+        gradients is zero), N(0, (z·C)²) / the expected batch size, plus the extra term's plain gradient."""
+        params = list(params)
+        optimizer.zero_grad(set_to_none=True)
+        for p in optimizer.params:
+            p.summed_grad = torch.zeros_like(p)
+        optimizer.add_noise()  # p.grad = 0 + N(0, (z·C)²)
+        if optimizer.loss_reduction == "mean":  # scale_grad's division, without the per-sample count it reads
+            for p in optimizer.params:
+                p.grad /= optimizer.expected_batch_size
+        if extra_loss is not None:
+            self._module.disable_hooks()
+            try:
+                extra = torch.autograd.grad(extra_loss, params, allow_unused=True)
+            finally:
+                self._module.enable_hooks()
+            for p, g in zip(params, extra):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        optimizer.original_optimizer.step()
+        self.steps += 1
+
     def close(self) -> None:
         """Remove Opacus's hooks from the model (it is reused by the site's next message)."""
         if self._module is not None:
@@ -131,6 +154,7 @@ class PrivateTraining:
             self._module = None
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and the server asks it per reply and per round
 def dp_sgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
     """ε of ``steps`` Poisson-sampled Gaussian steps (Opacus's RDP accountant)."""
     if steps == 0:
@@ -142,7 +166,18 @@ def dp_sgd_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delt
     return float(accountant.get_epsilon(delta))
 
 
+def batches_per_epoch(num_train: int, batch_size: int) -> int:
+    """Batches of one epoch of a site's training loader, as that loader counts them (``make_loader`` drops a last
+    batch of one image): Opacus's Poisson loader takes this many steps per epoch at sample rate 1 / this."""
+    from ..data.transforms import make_loader
+
+    return len(make_loader(range(int(num_train)), int(batch_size), shuffle=True, seed=0))
+
+
 def planned_dp_sgd_epsilon(cfg, num_train: int, rounds: int, batch_size: int | None = None) -> float:
-    """The ε a site with ``num_train`` training images spends in ``rounds`` rounds of ``local-epochs`` epochs."""
-    batches = math.ceil(num_train / (batch_size or cfg.batch_size))
+    """The ε a site with ``num_train`` training images spends in ``rounds`` rounds of ``local-epochs`` epochs (every
+    round trained once, steps and sample rate from its training loader's length)."""
+    batches = batches_per_epoch(num_train, batch_size or cfg.batch_size)
+    if batches == 0 or rounds <= 0:
+        return 0.0
     return dp_sgd_epsilon(cfg.dp_sgd_noise_multiplier, 1.0 / batches, rounds * cfg.local_epochs * batches, cfg.dp_delta)

@@ -4,13 +4,21 @@ round (docs/privacy.md#accounting).
 - Client-level DP (``dp``): one release per round, ε from Flower's RDP accountant (``accounting.py``).
 - DP-SGD (``dp-sgd``): each site accounts its own steps with Opacus's RDP accountant and reports its ε with its
   training metrics; the round's record carries the largest. Before round 1 the server plans each site's ε from the
-  training size it declared and refuses a plan beyond ``dp-target-epsilon``.
+  training size it declared and refuses a plan beyond ``dp-target-epsilon``; before every later round it stops the
+  run if the next round's plan would pass the target. A site's ε in the ledger never decreases: a lower report (a
+  site restarted without its state) is flagged and the higher value kept; a report below what the site's declared
+  plan implies for one round's training is rejected as a bad reply (``check_train_reply``). The server cannot see
+  the noise a site adds: the reported ε is the site's own claim.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from logging import WARNING
 from typing import Any
+
+from flwr.common.logger import log
 
 from ..options import ConfigError, bad
 
@@ -36,17 +44,19 @@ def check_privacy_config(
             f"strategy {strategy_name!r} cannot use it ({where}); dp-sgd works with {', '.join(supported['dp-sgd'])}",
         )
     if cfg.dp != "none" and cfg.dp_target_epsilon > 0:
-        from .accounting import max_rounds_within, min_noise_within, planned_epsilon
+        from .accounting import SENSITIVITY, max_rounds_within, min_noise_within, planned_epsilon
 
-        epsilon = planned_epsilon(cfg.dp_noise_multiplier, rounds, cfg.dp_delta)
+        k = SENSITIVITY[cfg.dp]
+        epsilon = planned_epsilon(cfg.dp_noise_multiplier, rounds, cfg.dp_delta, k)
         if epsilon > cfg.dp_target_epsilon:
+            fit = max_rounds_within(cfg.dp_target_epsilon, cfg.dp_noise_multiplier, cfg.dp_delta, sensitivity=k)
             raise bad(
                 "dp-target-epsilon",
                 cfg.dp_target_epsilon,
                 f"the plan spends ε = {epsilon:.3g} at dp-delta = {cfg.dp_delta:g} ({rounds} rounds at "
-                f"dp-noise-multiplier = {cfg.dp_noise_multiplier:g}); within the target: dp-noise-multiplier >= "
-                f"{min_noise_within(cfg.dp_target_epsilon, rounds, cfg.dp_delta):g}, or num-rounds <= "
-                f"{max_rounds_within(cfg.dp_target_epsilon, cfg.dp_noise_multiplier, cfg.dp_delta)}",
+                f"dp-noise-multiplier = {cfg.dp_noise_multiplier:g}, dp={cfg.dp!r}: sensitivity {k:g}·C); within the "
+                f"target: dp-noise-multiplier >= {min_noise_within(cfg.dp_target_epsilon, rounds, cfg.dp_delta, k):g}"
+                + (f", or num-rounds <= {fit}" if fit else " (not one round fits at this noise multiplier)"),
             )
 
 
@@ -67,28 +77,93 @@ def check_dp_sgd_model(cfg, model) -> None:
         )
 
 
+def check_client_dp_model(cfg, model) -> None:
+    """Refuse client-level DP for a model whose exchanged arrays include BatchNorm running statistics (a BatchNorm
+    backbone trained whole): noise on a running variance makes it negative and the model's outputs NaN, and the
+    statistics have no gradient to clip meaningfully with the parameters."""
+    if cfg.dp == "none":
+        return
+    from ..models.arrays import is_running_statistic
+
+    names = list(model.trainable_names()) if hasattr(model, "trainable_names") else list(model.get_trainable())
+    statistics = [n for n in names if is_running_statistic(n)]
+    if statistics:
+        raise bad(
+            "dp",
+            cfg.dp,
+            f"client-level DP would noise the BatchNorm running statistics the model exchanges ({len(statistics)} "
+            f"arrays, e.g. {statistics[0]}; backbone={cfg.backbone!r}, adapter={cfg.adapter!r}): a noised running "
+            "variance goes negative and the model's outputs become NaN. Use adapter='lora' or 'bottleneck' (the "
+            "backbone and its statistics stay frozen), a ViT backbone with adapter='full' (LayerNorm, no running "
+            "statistics), or dp='none' (docs/privacy.md#which-models-can-use-it)",
+        )
+
+
 class PrivacyLedger:
     """The server's account of a run with ``dp`` or ``dp-sgd``: ε after each round, the stop at the target, the
     checkpointed state (so a resumed run goes on counting where it stopped)."""
 
     def __init__(self, cfg):
-        from .accounting import ClientLevelAccountant  # the server only: the sites never import it
+        from .accounting import SENSITIVITY, ClientLevelAccountant  # the server only: the sites never import it
 
         self.cfg = cfg
         target = cfg.dp_target_epsilon if cfg.dp_target_epsilon > 0 else None
         self.accountant = (
-            ClientLevelAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, target) if cfg.dp != "none" else None
+            ClientLevelAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, target, SENSITIVITY[cfg.dp])
+            if cfg.dp != "none"
+            else None
         )
-        self.site_epsilon: dict[str, float] = {}  # DP-SGD: the latest ε each site reported
+        self.site_epsilon: dict[str, float] = {}  # DP-SGD: the largest ε each site reported
+        self.site_sizes: dict[str, int] = {}  # DP-SGD: the training size each site declared (its plan)
+        self.decreases: list[dict[str, Any]] = []  # DP-SGD: reports lower than the site's earlier ones
+        self.rounds = 0  # rounds accounted so far
 
     def allows_next_round(self) -> bool:
-        return self.accountant is None or not self.accountant.next_round_exceeds()
+        """Whether the next round stays within dp-target-epsilon: the client-level accountant's next release, and
+        with DP-SGD each known site's planned ε after one more round (its declared size, every round trained)."""
+        if self.accountant is not None and self.accountant.next_round_exceeds():
+            return False
+        cfg = self.cfg
+        if cfg.dp_sgd and cfg.dp_target_epsilon > 0:
+            from .dp_sgd import planned_dp_sgd_epsilon
+
+            for site, n in self.site_sizes.items():
+                if max(planned_dp_sgd_epsilon(cfg, n, self.rounds + 1), self.site_epsilon.get(site, 0.0)) > (
+                    cfg.dp_target_epsilon
+                ):
+                    return False
+        return True
+
+    def check_train_reply(self, client: str, num_train: int, metrics: Mapping[str, Any]) -> str | None:
+        """DP-SGD: why a training reply's ``dp_sgd_epsilon`` is impossible, or None. A site that trained in this
+        round took at least ``local-epochs`` epochs of steps at its declared size, so its ε is at least that plan's
+        ε for one round; a lower report (0, say) is refused as a bad reply. The declared size is kept for the
+        run's stop at the target."""
+        if not self.cfg.dp_sgd or "dp_sgd_epsilon" not in metrics:
+            return None
+        from .dp_sgd import planned_dp_sgd_epsilon
+
+        self.site_sizes[client] = int(num_train)
+        reported = metrics["dp_sgd_epsilon"]
+        if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported):
+            return f"dp_sgd_epsilon must be a finite number, got {reported!r}"
+        floor = planned_dp_sgd_epsilon(self.cfg, int(num_train), 1)
+        if reported < floor * (1 - 1e-6):
+            return (
+                f"dp_sgd_epsilon = {reported:g} is below {floor:.4g}, the ε of one round of DP-SGD at its declared "
+                f"training size {num_train} (batch-size {self.cfg.batch_size}, local-epochs {self.cfg.local_epochs}, "
+                f"dp-sgd-noise-multiplier {self.cfg.dp_sgd_noise_multiplier:g})"
+            )
+        return None
 
     def check_sites(self, num_train: Mapping[str, int], rounds: int) -> None:
         """DP-SGD with a target: refuse, before round 1, a site whose plan (its declared training size, every round
         trained) spends more than the target."""
         cfg = self.cfg
-        if not (cfg.dp_sgd and cfg.dp_target_epsilon > 0):
+        if not cfg.dp_sgd:
+            return
+        self.site_sizes.update({str(k): int(v) for k, v in num_train.items()})
+        if not cfg.dp_target_epsilon > 0:
             return
         from .dp_sgd import planned_dp_sgd_epsilon
 
@@ -102,16 +177,37 @@ class PrivacyLedger:
                     f"dp-sgd-noise-multiplier (now {cfg.dp_sgd_noise_multiplier:g}) or lower num-rounds or local-epochs"
                 )
 
-    def after_round(self, train_metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    def after_round(self, train_metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         """Count the round and give its record the ε so far: ``dp_epsilon`` (client level: every site that trained
-        released its update once) and ``dp_sgd_epsilon`` (the largest a site reported)."""
-        out: dict[str, float] = {}
+        released its update once), ``dp_sgd_epsilon`` (the largest any site reported, each site's never lowered)
+        and ``dp_sgd_epsilon_decreased`` (the sites whose report was below their earlier one, if any)."""
+        out: dict[str, Any] = {}
+        self.rounds += 1
         if self.accountant is not None:
             self.accountant.compose_round()
             out["dp_epsilon"] = self.accountant.epsilon()
-        for site, metrics in train_metrics.items():
-            if isinstance(metrics.get("dp_sgd_epsilon"), (int, float)):
-                self.site_epsilon[site] = float(metrics["dp_sgd_epsilon"])
+        decreased = []
+        for site, metrics in sorted(train_metrics.items()):
+            reported = metrics.get("dp_sgd_epsilon")
+            if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported):
+                continue
+            before = self.site_epsilon.get(site)
+            if before is not None and reported < before:  # never lower a site's ε: keep the largest and flag it
+                self.decreases.append({"client": site, "round": self.rounds, "reported": reported, "kept": before})
+                decreased.append(site)
+                log(
+                    WARNING,
+                    "[medflower] site %s reported dp-sgd epsilon %.4g, below its earlier %.4g (a site restarted "
+                    "without its state folder counts its steps from 0 again); the ledger keeps %.4g",
+                    site,
+                    reported,
+                    before,
+                    before,
+                )
+                continue
+            self.site_epsilon[site] = float(reported)
+        if decreased:
+            out["dp_sgd_epsilon_decreased"] = decreased
         if self.cfg.dp_sgd and self.site_epsilon:
             out["dp_sgd_epsilon"] = max(self.site_epsilon.values())
         if out:
@@ -122,13 +218,17 @@ class PrivacyLedger:
         cfg = self.cfg
         privacy: dict[str, Any] = {"delta": cfg.dp_delta, "target_epsilon": cfg.dp_target_epsilon or None}
         if self.accountant is not None:
+            from .accounting import RELATION
+
             privacy["client_level"] = {
                 "dp": cfg.dp,
+                "neighbouring": RELATION[cfg.dp],
                 "noise_multiplier": cfg.dp_noise_multiplier,
                 "clipping_norm": cfg.dp_clipping_norm,
                 "epsilon": self.accountant.epsilon(),
                 "rounds": self.accountant.rounds,
-                "accountant": "RDP (Flower's RdpAccountant over dp-accounting), no amplification by sampling",
+                "accountant": "RDP (Flower's RdpAccountant over dp-accounting), no amplification by sampling, "
+                f"neighbouring datasets: {RELATION[cfg.dp]}",
             }
         if cfg.dp_sgd:
             privacy["dp_sgd"] = {
@@ -136,7 +236,8 @@ class PrivacyLedger:
                 "max_grad_norm": cfg.dp_sgd_max_grad_norm,
                 "epsilon": max(self.site_epsilon.values(), default=0.0),
                 "epsilon_per_site": dict(sorted(self.site_epsilon.items())),
-                "accountant": "RDP (Opacus), Poisson-sampled batches, each site its own",
+                "accountant": "RDP (Opacus), Poisson-sampled batches, each site its own, as the site reports it",
+                "epsilon_decreases": list(self.decreases),
             }
         return {"privacy": privacy}
 
@@ -144,9 +245,16 @@ class PrivacyLedger:
         return {
             "client_level": self.accountant.state_dict() if self.accountant is not None else None,
             "dp_sgd_epsilon": self.site_epsilon,
+            "dp_sgd_sizes": self.site_sizes,
+            "dp_sgd_decreases": self.decreases,
+            "rounds": self.rounds,
         }
 
     def load_state_dict(self, state: dict) -> None:
         if self.accountant is not None and state.get("client_level"):
             self.accountant.load_state_dict(state["client_level"])
         self.site_epsilon = {str(k): float(v) for k, v in (state.get("dp_sgd_epsilon") or {}).items()}
+        self.site_sizes = {str(k): int(v) for k, v in (state.get("dp_sgd_sizes") or {}).items()}
+        self.decreases = list(state.get("dp_sgd_decreases") or [])
+        fallback = self.accountant.rounds if self.accountant is not None else 0
+        self.rounds = int(state.get("rounds", fallback))

@@ -32,7 +32,7 @@ from ..data import (
     make_loader,
 )
 from ..data.encoded import BoxPrompts, encoded, module_digest
-from ..data.roots import in_simulation
+from ..data.roots import check_model_paths, in_simulation
 from ..models import AdaptedModel, build_model
 from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
 from ..results import safe_name
@@ -184,6 +184,7 @@ class ClientRuntime:
         data = self.raw_data
         num_classes = int(self.config.get("model-classes") or self.config.get("num-classes") or data.num_classes)
         spec = dataclasses.replace(self.cfg.model_spec(data.class_names), **{"task": data.task, **self.model_overrides})
+        check_model_paths(spec, self.context.node_config)  # before the model's files are opened
         with profiling.phase("model"):
             return _cached_model(spec, num_classes)
 

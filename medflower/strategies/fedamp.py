@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..options import Option, non_negative, positive
+from ..options import Option, bad, non_negative, positive
 from ..training import ExtraLoss
 from .apple import latest_modules
 from .base import from_record, register_strategy, stack_flat, to_record, unflatten
@@ -55,6 +55,19 @@ def message_step(alpha: float, sigma: float, modules: int) -> float:
     """α_k of a task: ``fedamp-alpha``, or with 0 σ/(M − 1), which keeps ξ_ii = 1 − α Σ_{j≠i} A'_ij ≥ 0 whatever the
     distances (A' ≤ 1/σ); σ when there is a single module (it attends only to itself)."""
     return alpha if alpha > 0 else sigma / max(modules - 1, 1)
+
+
+def alpha_problem(alpha: float, sigma: float, sites: int) -> str | None:
+    """Why ``fedamp-alpha`` can make a site's self-weight ξ_ii = 1 − α Σ_{j≠i} A'_ij negative among ``sites`` modules
+    (α (M − 1)/σ > 1: it does when their modules are close), or None; checked before the first task."""
+    if alpha > 0 and sites > 1 and alpha * (sites - 1) > sigma:
+        return (
+            f"with fedamp-sigma = {sigma:g} and {sites} sites the valid range is 0 (sigma/(M - 1) per task) or "
+            f"(0, {sigma / (sites - 1):g}] (alpha * (M - 1) / sigma <= 1): a larger step makes a site's self-weight "
+            "xi_ii = 1 - alpha * sum_j A'_ij negative when the sites' modules are close; lower fedamp-alpha or raise "
+            "fedamp-sigma"
+        )
+    return None
 
 
 def attention_weights(modules: np.ndarray, i: int, alpha: float, sigma: float) -> np.ndarray:
@@ -105,9 +118,17 @@ class FedAMP(FedKEI):
     options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *FEDAMP_OPTIONS)
     extra_actions = ()
 
+    @classmethod
+    def check_config(cls, cfg, check_paths: bool) -> None:
+        super().check_config(cfg, check_paths)
+        if why := alpha_problem(cfg.fedamp_alpha, cfg.fedamp_sigma, cfg.min_nodes):
+            raise bad("fedamp-alpha", cfg.fedamp_alpha, why)
+
     def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
         """u_i per node over the latest pooled task's modules: attention-weighted around the site's own module, the
         plain mean for a site without one there; nothing for task 1 or an empty pool."""
+        if why := alpha_problem(self.cfg.fedamp_alpha, self.cfg.fedamp_sigma, len(self.ordered_nodes())):
+            raise bad("fedamp-alpha", self.cfg.fedamp_alpha, why)  # before any site trains, not at task 2
         entries, modules = latest_modules(self.pool, task)
         contents, weights = {}, {}
         if entries:

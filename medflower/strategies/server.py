@@ -375,6 +375,8 @@ class FederatedStrategy:
         if "num-examples" in metrics and (problem := count_check(metrics, "num-examples", known.num_train)):
             self.nodes.pop(reply.node_id, None)
             return problem
+        if phase == "train" and self.privacy is not None:  # an impossible DP-SGD ε (docs/privacy.md#accounting)
+            return self.privacy.check_train_reply(known.client, known.num_train, metrics)
         return None
 
     def shares(self, weights: list[float] | np.ndarray) -> np.ndarray:

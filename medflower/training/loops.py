@@ -126,8 +126,15 @@ def train_epochs(
         for epoch in range(1, epochs + 1):
             model.train()  # after_epoch may have evaluated in eval mode
             for x, y in loader:
-                if private is not None and len(y) == 0:  # an empty Poisson batch: no update, nothing released
-                    private.steps += 1
+                if private is not None and len(y) == 0:  # an empty Poisson batch: a noise-only step, as Opacus's
+                    extra = None
+                    if extra_loss is not None:  # a parameter-only term (the only kind DP-SGD allows)
+                        y = y.to(device)
+                        extra = extra_loss(model, torch.zeros((0,), device=device), y)
+                        if not math.isfinite(extra.item()):
+                            raise FloatingPointError(f"training loss became {extra.item()} at step {steps}; lower lr")
+                    private.noise_step(opt, extra, params)
+                    steps += 1
                     continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with autocast(device, precision):
