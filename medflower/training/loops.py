@@ -131,7 +131,7 @@ def train_epochs(
                     if extra_loss is not None:  # a parameter-only term (the only kind DP-SGD allows)
                         y = y.to(device)
                         extra = extra_loss(model, torch.zeros((0,), device=device), y)
-                        if not math.isfinite(extra.item()):
+                        if extra is not None and not math.isfinite(extra.item()):
                             raise FloatingPointError(f"training loss became {extra.item()} at step {steps}; lower lr")
                     private.noise_step(opt, extra, params)
                     steps += 1
