@@ -478,3 +478,24 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
     assert np.allclose(inputs.test[0][0], expected, atol=2e-3, rtol=2e-3)
     with pytest.raises(ConfigError, match="not in the frozen-encoder mode"):
         encode.prepare({**run_config, "adapter": "lora"}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
+
+
+def test_a_sites_joining_query_does_not_wait_for_its_encoder_outputs(tiny_file, tmp_path, monkeypatch):
+    """The query a site answers when it joins needs only its number of training images: the frozen-encoder mode's
+    encoding waits for its first training message."""
+    from conftest import site_runtime
+
+    from medflower.data import encoded as encoded_module
+    from medflower.strategies.fedavg import FedAvgClient
+
+    calls = []
+    monkeypatch.setattr(encoded_module, "run_encoder", lambda *a, **k: calls.append(a) or None)
+    runtime = site_runtime(
+        tmp_path,
+        "fedavg",
+        **{"dataset": "synthetic-seg", "partition": "iid", "backbone": "litemedsam", "img-size": 32},
+        **{"backbone-weights": str(tiny_file), "adapter": "none", "synthetic-size": 40},
+    )
+    reply = FedAvgClient(runtime).query(None)
+    assert reply["metrics"]["num-train"] > 0 and reply["info"]["client"] == "site-0"
+    assert calls == []

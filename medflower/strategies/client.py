@@ -225,7 +225,7 @@ class ClientRuntime:
         node = self.context.node_config
         if self.cfg.site_dataset_list and not node.get("site-name"):
             return f"client-{self.partition_id}"  # sites of different datasets would share source site names
-        return str(node.get("site-name") or self.data.site or f"client-{self.partition_id}")
+        return str(node.get("site-name") or self.raw_data.site or f"client-{self.partition_id}")
 
     def seed(self, purpose: int = 0) -> int:
         return derive_seed(self.cfg.seed, self.round, self.partition_id, purpose)
