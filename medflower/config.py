@@ -30,7 +30,7 @@ from .data.tasks import TASK_ORDERS
 from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
 from .models.backbones import backbone_family
 from .models.build import MEDSAM_AUTO
-from .models.litemedsam import PROMPTS
+from .models.litemedsam import PROMPTS, img_size_problem
 from .models.normalisation import INPUT_NORMS
 from .models.unet import is_unet
 from .options import (
@@ -679,16 +679,8 @@ class ExperimentConfig:
 
     def _check_litemedsam(self) -> None:
         """LiteMedSAM's input size, and box prompts only where SAM's mask decoder segments with labelled masks."""
-        if self.backbone == "litemedsam":
-            from .models.litemedsam import EMBED_STRIDE, TRAINED_SIZE
-
-            if self.img_size % EMBED_STRIDE or self.img_size < 16:
-                raise bad(
-                    "img-size",
-                    self.img_size,
-                    f"LiteMedSAM's image embedding is img-size/4 wide: use a multiple of 4 (it was trained at "
-                    f"{TRAINED_SIZE})",
-                )
+        if self.backbone == "litemedsam" and (why := img_size_problem(self.img_size)):
+            raise bad("img-size", self.img_size, why)
         if self.sam_prompt != "box":
             return
         if self.backbone != "litemedsam" or self.model_task != "segmentation":

@@ -81,12 +81,7 @@ def check_model_paths(spec, node_config: Mapping) -> None:
         if in_simulation():
             return
         key, value = named[0]
-        raise DataError(
-            f"run-config {key} {value!r} names a file on this site, but this SuperNode sets no node-config "
-            f"{ROOTS_KEY}: a site reads run-config paths only below the folders its operator lists, e.g. "
-            f"flower-supernode ... --node-config \"{ROOTS_KEY}='/data/shared'\" (or the environment variable "
-            f"{ROOTS_ENV}); see docs/data.md#data-roots"
-        )
+        raise _no_roots(f"run-config {key} {value!r} names a file")
     for key, value in named:
         path = Path(value).expanduser()
         _require_below(f"run-config {key} {value!r}", path, roots)
@@ -97,6 +92,14 @@ def check_model_paths(spec, node_config: Mapping) -> None:
                     f"run-config {key} {value!r}: {len(outside)} file(s) below it resolve (symlinks followed) "
                     f"outside this site's node-config {ROOTS_KEY}: {list_rows(outside, 5)}"
                 )
+
+
+def _no_roots(what: str) -> DataError:
+    return DataError(
+        f"{what} on this site, but this SuperNode sets no node-config {ROOTS_KEY}: a site reads run-config paths only "
+        f"below the folders its operator lists, e.g. flower-supernode ... --node-config \"{ROOTS_KEY}='/data/shared'\" "
+        f"(or the environment variable {ROOTS_ENV}); see docs/data.md#data-roots"
+    )
 
 
 def _below_folder(folder: Path) -> Iterator[Path]:
@@ -115,12 +118,7 @@ def check_data_roots(spec: DataSpec, node_config: Mapping) -> None:
     if roots is None:
         if in_simulation():
             return
-        raise DataError(
-            f"run-config dataset {spec.dataset!r} names files on this site, but this SuperNode sets no node-config "
-            f"{ROOTS_KEY}: a site reads run-config paths only below the folders its operator lists, e.g. "
-            f"flower-supernode ... --node-config \"{ROOTS_KEY}='/data/shared'\" (or the environment variable "
-            f"{ROOTS_ENV}); see docs/data.md#data-roots"
-        )
+        raise _no_roots(f"run-config dataset {spec.dataset!r} names files")
     confine(spec, roots)
 
 

@@ -128,11 +128,7 @@ def box_planes(y: torch.Tensor, structures: int) -> torch.Tensor:
 
 def target_img_size(dataset: Dataset) -> int | None:
     """``img_size`` of the dataset, looking through wrappers such as ``Subset``."""
-    while dataset is not None:
-        if getattr(dataset, "img_size", None) is not None:
-            return dataset.img_size
-        dataset = getattr(dataset, "dataset", None)
-    return None
+    return target_attribute(dataset, "img_size")
 
 
 def target_attribute(dataset: Dataset, name: str, default=None):

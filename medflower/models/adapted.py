@@ -30,9 +30,9 @@ class AdaptedModel(nn.Module):
     ("trainable") arrays are fixed at construction: ``trainable_names()`` lists them in forward order
     (block depth ascending, task module last) with peft's ``.default`` adapter name stripped.
 
-    ``forward(x) = decode(encode(x))``: ``encode`` is the backbone with its adapters, after the backbone's own input
-    normalisation (``input_norm``, models/normalisation.py); ``decode`` the task module. With ``spec.encoded_inputs``
-    the model takes ``encode``'s output instead of images (the frozen-encoder mode, docs/models.md#frozen-encoder-mode:
+    ``encode`` is the backbone with its adapters, after the backbone's own input normalisation (``input_norm``,
+    models/normalisation.py); the task module reads its output. With ``spec.encoded_inputs`` the model takes
+    ``encode``'s output instead of images (the frozen-encoder mode, docs/models.md#frozen-encoder-mode:
     the sites compute it once and cache it).
     With a frozen backbone, its BatchNorm layers stay in eval mode in ``train()``, so frozen running
     statistics never drift locally (they are not exchanged). With ``adapter='full'`` the whole backbone
@@ -63,10 +63,6 @@ class AdaptedModel(nn.Module):
         """The encoder's output for images ``x`` (what the frozen-encoder mode caches)."""
         raise NotImplementedError
 
-    def decode(self, z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        """The task module's logits for encoder output ``z`` (images of ``size``)."""
-        raise NotImplementedError
-
     def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` itself when the model takes encoder outputs, else ``encode(x)``."""
         return x if self.encoded_inputs else self.encode(x)
@@ -75,14 +71,6 @@ class AdaptedModel(nn.Module):
         if self.encoded_inputs:
             return (self.spec.img_size, self.spec.img_size)
         return tuple(x.shape[-2:])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encoder_output(x), self.image_size(x))
-
-    def trains_encoder(self) -> bool:
-        """True when a parameter inside the encoder trains (adapters or the whole backbone): then the encoder's
-        output changes with training and cannot be cached."""
-        return any(raw.startswith("backbone.") for raw in self._trainable_raw.values())
 
     def _freeze_all_but_trainable(
         self, adapter_param_names: Iterable[str], frozen_task_params: Iterable[str] = ()

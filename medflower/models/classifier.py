@@ -44,9 +44,6 @@ class AdaptedClassifier(AdaptedModel):
         """Pooled backbone features ``[B, feature_dim]`` of images ``x``."""
         return self.backbone(self.input_norm(x))
 
-    def decode(self, z: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-        return self.head(z)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder_output(x))
 

@@ -25,7 +25,7 @@ import functools
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,12 +207,19 @@ def resolve_weights(weights: str) -> tuple[dict[str, torch.Tensor] | None, str]:
 # --------------------------------------------------------------------------------------------------- the encoder
 
 
-def check_img_size(img_size: int) -> None:
+def img_size_problem(img_size: int) -> str | None:
+    """Why LiteMedSAM's encoder cannot take ``img_size`` (None: it can)."""
     if img_size < 16 or img_size % EMBED_STRIDE:
-        raise ModelError(
-            f"img-size={img_size} cannot be taken by LiteMedSAM's encoder: its image embedding is img-size/4 wide, "
-            f"so img-size must be a multiple of 4 (and >= 16); LiteMedSAM was trained at {TRAINED_SIZE}, use 256"
+        return (
+            "LiteMedSAM's image embedding is img-size/4 wide, so img-size must be a multiple of 4 (and >= 16); it was "
+            f"trained at {TRAINED_SIZE}: use 256"
         )
+    return None
+
+
+def check_img_size(img_size: int) -> None:
+    if why := img_size_problem(img_size):
+        raise ModelError(f"img-size={img_size} cannot be taken by LiteMedSAM's encoder: {why}")
 
 
 def build_encoder(arch: Architecture, img_size: int) -> nn.Module:
@@ -421,8 +428,3 @@ def cell_planes(planes: torch.Tensor, side: int) -> torch.Tensor:
     if planes.shape[-1] == side:
         return planes
     return F.adaptive_max_pool2d(planes.float(), side)
-
-
-def trainable_names(head: PromptedMaskHead) -> Iterable[str]:
-    frozen = set(head.frozen_names())
-    return [n for n, _ in head.named_parameters() if n not in frozen]

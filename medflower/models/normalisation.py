@@ -19,12 +19,12 @@ match).
 from __future__ import annotations
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
+from timm.data import IMAGENET_DEFAULT_STD as IMAGENET_STD
 from torch import nn
 
 from .errors import ModelError
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 INPUT_NORMS = ("auto", "imagenet", "min-max", "mean-std")
 MIN_MAX_BACKBONES = ("litemedsam", "medsam")
 

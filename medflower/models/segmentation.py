@@ -86,8 +86,8 @@ class AdaptedSegmenter(AdaptedModel):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return self.feature_grid(x)
 
-    def decode(self, z: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        return self.decoder(z, size)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder_output(x), self.image_size(x))
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled encoder features ``[B, D]`` (mean over the grid)."""
@@ -183,9 +183,6 @@ class PromptedSegmenter(AdaptedModel):
                 litemedsam.cell_planes(planes, side), self.decoder.img_size // side
             ).to(embedding.dtype)
         return self.decoder(embedding, self.prompt_encoder, boxes)
-
-    def decode(self, z: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-        return self.decoder(z, self.prompt_encoder)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.encoder_output(x).mean(dim=(2, 3))

@@ -99,6 +99,11 @@ def check_client_dp_model(cfg, model) -> None:
         )
 
 
+def _finite_number(value: Any) -> bool:
+    """A reported metric that is a finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class PrivacyLedger:
     """The server's account of a run with ``dp`` or ``dp-sgd``: ε after each round, the stop at the target, the
     checkpointed state (so a resumed run goes on counting where it stopped)."""
@@ -145,7 +150,7 @@ class PrivacyLedger:
 
         self.site_sizes[client] = int(num_train)
         reported = metrics["dp_sgd_epsilon"]
-        if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported):
+        if not _finite_number(reported):
             return f"dp_sgd_epsilon must be a finite number, got {reported!r}"
         floor = planned_dp_sgd_epsilon(self.cfg, int(num_train), 1)
         if reported < floor * (1 - 1e-6):
@@ -189,7 +194,7 @@ class PrivacyLedger:
         decreased = []
         for site, metrics in sorted(train_metrics.items()):
             reported = metrics.get("dp_sgd_epsilon")
-            if isinstance(reported, bool) or not isinstance(reported, (int, float)) or not math.isfinite(reported):
+            if not _finite_number(reported):
                 continue
             before = self.site_epsilon.get(site)
             if before is not None and reported < before:  # never lower a site's ε: keep the largest and flag it

@@ -132,13 +132,7 @@ class SitePolicy:
 def planned_epsilon(cfg, num_train: int) -> float:
     """ε a site with ``num_train`` training images spends over the whole run (``num-rounds``), at ``dp-delta``: the
     sum of what each site-side mechanism plans (basic composition of the two; each alone is accounted exactly)."""
-    total = 0.0
-    if cfg.dp == "site":
-        from .accounting import SENSITIVITY, ClientLevelAccountant
-
-        accountant = ClientLevelAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, sensitivity=SENSITIVITY["site"])
-        accountant.compose_round(cfg.num_rounds)
-        total += accountant.epsilon()
+    total = _site_dp_epsilon(cfg, cfg.num_rounds)
     if cfg.dp_sgd:
         from .dp_sgd import planned_dp_sgd_epsilon
 
@@ -148,14 +142,16 @@ def planned_epsilon(cfg, num_train: int) -> float:
 
 def spent_epsilon(cfg, rounds_trained: int, dp_sgd_epsilon: float) -> float:
     """ε this site has spent: ``rounds_trained`` releases under ``dp='site'`` plus its DP-SGD ε so far."""
-    total = dp_sgd_epsilon
-    if cfg.dp == "site" and rounds_trained:
-        from .accounting import SENSITIVITY, ClientLevelAccountant
+    return _site_dp_epsilon(cfg, rounds_trained) + dp_sgd_epsilon
 
-        accountant = ClientLevelAccountant(cfg.dp_noise_multiplier, cfg.dp_delta, sensitivity=SENSITIVITY["site"])
-        accountant.compose_round(rounds_trained)
-        total += accountant.epsilon()
-    return total
+
+def _site_dp_epsilon(cfg, releases: int) -> float:
+    """The replace-one ε of ``releases`` noised updates under ``dp='site'`` (0 without it, or before any)."""
+    if cfg.dp != "site" or releases <= 0:
+        return 0.0
+    from .accounting import SENSITIVITY, planned_epsilon
+
+    return planned_epsilon(cfg.dp_noise_multiplier, releases, cfg.dp_delta, SENSITIVITY["site"])
 
 
 def log_spent(site: str, spent: float, policy: SitePolicy) -> None:

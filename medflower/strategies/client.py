@@ -56,15 +56,9 @@ def _cached_model(spec, num_classes: int) -> tuple[AdaptedModel, OrderedDict[str
     return model, model.get_trainable()
 
 
-_INPUTS: dict[tuple, tuple[ClientData, ClientData]] = {}  # (id(raw data), spec, ...) -> (raw data, inputs)
-
-
 def model_inputs(raw: ClientData, model: AdaptedModel, cache_dir: str, batch_size: int, device) -> ClientData:
-    """``raw``'s splits as ``model`` takes them (``ClientRuntime.data``), kept per process for the data object a site
-    reuses across messages (the frozen-encoder outputs are computed or read once)."""
-    key = (id(raw), model.spec, cache_dir, str(device))
-    if key in _INPUTS and _INPUTS[key][0] is raw:
-        return _INPUTS[key][1]
+    """``raw``'s splits as ``model`` takes them (``ClientRuntime.data``): the frozen-encoder outputs are encoded once
+    and then read from the site's cache folder (or this process's memory, data/encoded.py)."""
     splits = {}
     identity = None
     if model.spec.encoded_inputs:
@@ -89,11 +83,7 @@ def model_inputs(raw: ClientData, model: AdaptedModel, cache_dir: str, batch_siz
             splits[split] = dataset
     finally:
         model.train(was_training)
-    inputs = dataclasses.replace(raw, **splits)
-    if len(_INPUTS) >= 16:
-        _INPUTS.pop(next(iter(_INPUTS)))
-    _INPUTS[key] = (raw, inputs)
-    return inputs
+    return dataclasses.replace(raw, **splits)
 
 
 @dataclass
@@ -147,9 +137,6 @@ class ClientRuntime:
         their masks' boxes (docs/models.md#litemedsam)."""
         if self.cfg.frozen_encoder_mode != "on" and self.cfg.sam_prompt != "box":
             return self.raw_data  # the images themselves: no model needed to say so
-        spec = self.model.spec
-        if not spec.encoded_inputs and spec.sam_prompt != "box":
-            return self.raw_data
         with profiling.phase("data"):
             return model_inputs(self.raw_data, self.model, self.cache_dir(), self.cfg.batch_size, self.device)
 
