@@ -16,6 +16,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from . import profiling
+from .app_pin import check_pin
 from .engine import in_simulation
 from .site_worker import forward, message_record, uses_worker
 
@@ -34,6 +35,7 @@ app = ClientApp()
 
 def route(message: Message, context: Context) -> Message:
     """The site app's reply to ``message``: from the site's worker in a deployment, else computed here."""
+    check_pin(context.node_config)  # node-config app-hash/app-version: only the app the site reviewed (app_pin.py)
     if not in_simulation() and uses_worker(context):
         return forward(message, context)
     return handle_here(message, context)
