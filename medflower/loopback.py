@@ -103,6 +103,7 @@ class LoopbackFederation:
     # With fleet_proxy (needs tls_dir and the nginx binary), SuperNodes reach the SuperLink only through
     # docker/nginx.conf on its own port (fleet_port), as in the compose demo; `flwr` uses the SuperLink port.
     fleet_proxy: bool = False
+    supernode_args: dict[int, list[str]] = field(default_factory=dict)  # index -> extra flower-supernode flags
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -213,6 +214,7 @@ class LoopbackFederation:
         key = key or self.auth_keys.get(index)
         if key is not None:
             cmd += ["--auth-supernode-private-key", str(key)]  # flwr 1.41 derives the public key
+        cmd += self.supernode_args.get(index, [])
         self.supernodes[name] = self._spawn(name, cmd)
         return self.supernodes[name]
 
