@@ -150,7 +150,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "fraction-train", 1.0, "fraction of connected nodes sampled for training each round", unit_interval_open_left
     ),
     Option("min-nodes", 1, "nodes that must be connected before round 1 starts", in_range(1, 100_000)),
-    Option("node-wait-timeout", 120.0, "seconds to wait for min-nodes before giving up", positive),
+    Option("node-wait-timeout", 120.0, "seconds to wait for min-nodes and for a new node's first answer", positive),
     Option("round-timeout", 600.0, "seconds to wait for replies in one phase; late nodes are skipped", positive),
     Option(
         "evaluate-in-train",

@@ -292,3 +292,26 @@ def test_the_error_reply_is_redacted():
             handle(message, context)
         assert (secret in str(err.value)) is leaks
         assert str(err.value).startswith("DataError")
+
+
+def test_a_new_nodes_first_answer_may_take_node_wait_timeout(tmp_path, monkeypatch):
+    """The joining query starts the site's worker and reads its data: it waits node-wait-timeout when that is longer
+    than round-timeout; the rounds' phases keep round-timeout."""
+    from medflower.inprocess import InProcessGrid
+
+    waits: list[tuple[str, float]] = []
+    original = InProcessGrid.send_and_receive
+
+    def recording(self, messages, *, timeout=None):
+        messages = list(messages)
+        waits.append((messages[0].metadata.message_type, timeout))
+        return original(self, messages, timeout=timeout)
+
+    monkeypatch.setattr(InProcessGrid, "send_and_receive", recording)
+    config = {**TINY, "num-rounds": 1, "output-dir": str(tmp_path), "run-name": "r"}
+    run_inprocess({**config, "round-timeout": 30.0, "node-wait-timeout": 500.0}, 2)
+    assert waits[0] == ("query", 500.0)
+    assert {t for kind, t in waits[1:]} == {30.0} and {kind for kind, _ in waits[1:]} == {"train", "evaluate"}
+    waits.clear()
+    run_inprocess({**config, "run-name": "s", "round-timeout": 300.0, "node-wait-timeout": 20.0}, 2)
+    assert waits[0] == ("query", 300.0)

@@ -262,6 +262,7 @@ class FederatedStrategy:
         contents: Mapping[int, RecordDict],
         rnd: int,
         expect: ArraySpec | Callable[[int], ArraySpec] | None = None,
+        timeout: float | None = None,
     ) -> list[Reply]:
         """Send one message per node, wait for replies, count bytes, and keep only the replies that pass the checks.
 
@@ -269,7 +270,9 @@ class FederatedStrategy:
         of ``expect``: one spec, or a function of the node id when nodes send different shapes; None = no arrays)
         and then this strategy's ``check_reply_values``. A reply that fails, or whose handling raises anything, is
         rejected: logged with its reason, counted in the round's metrics, left out; the round goes on.
+        ``timeout`` (default run-config round-timeout) bounds the wait for replies.
         """
+        timeout = self.cfg.round_timeout if timeout is None else timeout
         messages = []
         for node_id, content in contents.items():
             self.stats.bytes_down += record_bytes(content)
@@ -279,7 +282,7 @@ class FederatedStrategy:
         answered: set[int] = set()
         replies: list[Reply] = []
         started = time.monotonic()
-        received = send_and_receive(grid, messages, self.cfg.round_timeout)
+        received = send_and_receive(grid, messages, timeout)
         phases = self.stats.extra.setdefault("phase_s", {})  # wall time of each message type's exchange this round
         phases[message_type] = round(phases.get(message_type, 0.0) + time.monotonic() - started, 3)
         for msg in received:
@@ -328,7 +331,7 @@ class FederatedStrategy:
                     rnd,
                     message_type,
                     client,
-                    self.cfg.round_timeout,
+                    timeout,
                 )
                 self.stats.failed.append(f"{client}: no reply")
         return replies
@@ -389,7 +392,9 @@ class FederatedStrategy:
 
     def refresh_nodes(self, grid: Grid, rnd: int) -> None:
         """Ask nodes not seen before who they are (partition id, site name, training size); refuse a node that
-        claims the site name or partition id of another node."""
+        claims the site name or partition id of another node. A node's first answer includes starting its site
+        worker (imports) and reading its data, so the wait is node-wait-timeout when that is longer than
+        round-timeout."""
         current = set(grid.get_node_ids())
         for gone in set(self.nodes) - current:
             log(WARNING, "[medflower] %s left the federation", self.nodes.pop(gone).client)
@@ -397,7 +402,8 @@ class FederatedStrategy:
         if not unknown:
             return
         contents = {n: RecordDict({"config": self.base_config(rnd)}) for n in unknown}
-        for reply in self.exchange(grid, "query", contents, rnd):
+        wait = max(self.cfg.round_timeout, self.cfg.node_wait_timeout)
+        for reply in self.exchange(grid, "query", contents, rnd, timeout=wait):
             info = NodeInfo(
                 reply.node_id, reply.partition_id, reply.client_claim, int(reply.metrics["num-train"]), reply.metrics
             )
