@@ -19,8 +19,11 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from logging import WARNING
 from pathlib import Path
 from typing import Any
+
+from flwr.common.logger import log
 
 HEADLINE = ("auc", "accuracy", "balanced_accuracy", "dice", "iou", "loss")
 POOLED = ("pooled_balanced_accuracy", "pooled_accuracy")  # server-side metrics of the round (no per-site value)
@@ -65,6 +68,33 @@ def finite_mean(values: Iterable[Any]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+# Fewer optimizer steps per epoch than this and a site's training hardly moves the model (a site of 15-20 images at
+# batch-size 32 takes one step per epoch): said once per site, on the site and on the server.
+FEW_STEPS = 5
+
+
+def loader_steps(n: int, batch_size: int) -> int:
+    """Batches per epoch of a shuffled training loader over ``n`` samples (``data.make_loader`` drops a last batch
+    of one sample)."""
+    if n <= 0:
+        return 0
+    return n // batch_size if n % batch_size == 1 and n > 1 else -(-n // batch_size)
+
+
+def few_steps_message(n: int, steps: float, batch_size: int | None = None) -> str | None:
+    """What to say of a site taking ``steps`` optimizer steps per epoch over ``n`` training samples (at
+    ``batch_size`` when known): the largest batch size that gives at least ``FEW_STEPS``; None when it takes
+    enough."""
+    if steps >= FEW_STEPS or n <= 0:
+        return None
+    at = f" at batch-size {batch_size}" if batch_size else ""
+    text = f"{n} training samples give {steps:g} optimizer step(s) per epoch{at}; "
+    if n < FEW_STEPS:
+        return text + f"even batch-size 1 gives only {n} (more local-epochs train it longer)"
+    best = max(b for b in range(1, n + 1) if loader_steps(n, b) >= FEW_STEPS)
+    return text + f"batch-size {best} or less gives {loader_steps(n, best)} or more"
+
+
 class RunRecorder:
     """Writes one run's folder; on resume it continues the same folder after the checkpoint's round."""
 
@@ -72,6 +102,9 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        # (batch size, local epochs) of the run: with them a site's training records say when it is a small site
+        self.training_plan: tuple[int, int] | None = None
+        self._small_sites: set[str] = set()
 
     # ------------------------------------------------------------------ writing
     def write_config(self, config: Mapping[str, Any]) -> None:
@@ -83,9 +116,23 @@ class RunRecorder:
 
     def log_client(self, rnd: int, client: str, kind: str, metrics: Mapping[str, float], **extra: Any) -> None:
         self._append({"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)})
+        if kind == "train":
+            self._check_small_site(client, metrics)
 
     def log_server(self, rnd: int, **fields: Any) -> None:
         self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})
+
+    def _check_small_site(self, client: str, metrics: Mapping[str, Any]) -> None:
+        """Say once per site when its training reply shows fewer than ``FEW_STEPS`` optimizer steps per epoch."""
+        n, steps = metrics.get("num-examples"), metrics.get("train_steps")
+        if self.training_plan is None or client in self._small_sites:
+            return
+        if not (_finite(n) and _finite(steps)):
+            return
+        batch_size, epochs = self.training_plan
+        if message := few_steps_message(int(n), float(steps) / max(epochs, 1), batch_size):
+            self._small_sites.add(client)
+            log(WARNING, "[medflower] small site %s: %s", client, message)
 
     def truncate_after(self, rnd: int, evaluated_through: int | None = None) -> None:
         """Drop records of rounds after ``rnd`` (a resumed run redoes them), and the evaluation records of rounds
@@ -143,14 +190,22 @@ class RunRecorder:
             }
         )
         final = {m: finite_mean(r.get(m) for r in per_client.values()) for m in metric_names}
+        # a metric undefined on a site's data (AUC of a split with one class) is left out of its reply
+        computed_on = {m: sum(_finite(r.get(m)) for r in per_client.values()) for m in metric_names}
         server = self.records("server")
         pooled = next((r for r in reversed(server) if any(m in r for m in POOLED)), {})
         final.update({m: pooled[m] for m in POOLED if m in pooled})
+        steps = {}  # each site's optimizer steps in its last training round
+        for r in self.records("train"):
+            if _finite(r.get("train_steps")):
+                steps[r["client"]] = r["train_steps"]
         return {
             "strategy": strategy,
             "dataset": dataset,
             "rounds": max((r["round"] for r in server), default=0),
             "final": final,
+            "computed_on": computed_on,  # sites per metric (of len(per_client))
+            **({"steps_per_round": dict(sorted(steps.items()))} if steps else {}),
             "per_client": per_client,
             "communication": {
                 "bytes_up": sum(r.get("bytes_up", 0) for r in server),
@@ -177,6 +232,10 @@ class RunRecorder:
         (self.run_dir / "summary.md").write_text(report.markdown(summary))
         report.plot(self.records("eval"), self.run_dir / "curves.png", title=f"{report.title(summary)} on {dataset}")
         return summary
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def cell(value: Any) -> str:
@@ -251,15 +310,30 @@ class RunReport:
             "| client | " + " | ".join(metrics) + " |",
             "|---|" + "---|" * len(metrics),
         ]
+        steps = summary.get("steps_per_round") or {}
+        if steps:  # optimizer steps per round: a site of a few images at a large batch size takes one or two
+            lines[-2:] = [lines[-2] + " steps/round |", lines[-1] + "---|"]
         for client, values in summary["per_client"].items():
-            lines.append(f"| {client} | " + " | ".join(cell(values.get(m)) for m in metrics) + " |")
-        lines.append("| **mean** | " + " | ".join(cell(summary["final"].get(m)) for m in metrics) + " |")
+            lines.append(
+                f"| {client} | "
+                + " | ".join(cell(values.get(m)) for m in metrics)
+                + (f" | {_steps_cell(steps.get(client))}" if steps else "")
+                + " |"
+            )
+        lines.append(
+            "| **mean** | "
+            + " | ".join(cell(summary["final"].get(m)) for m in metrics)
+            + (f" | {_steps_cell(finite_mean(steps.values()))}" if steps else "")
+            + " |"
+        )
         if any(m in summary["final"] for m in POOLED):
             lines.append(
                 "| **pooled** (all test rows) | "
                 + " | ".join(cell(summary["final"].get(f"pooled_{m}")) for m in metrics)
+                + (" | –" if steps else "")
                 + " |"
             )
+        lines += computed_on_lines(summary)
         comm = summary["communication"]
         lines += [
             "",
@@ -270,6 +344,21 @@ class RunReport:
             "",
         ]
         return "\n".join(lines)
+
+
+def _steps_cell(value: Any) -> str:
+    return "–" if value is None else f"{round(value, 1):g}"
+
+
+def computed_on_lines(summary: Mapping[str, Any]) -> list[str]:
+    """summary.md's line naming the metrics some sites could not compute (undefined on their data, e.g. AUC on a
+    split holding one class): each mean is over the sites that did."""
+    sites = len(summary["per_client"])
+    partial = {m: k for m, k in (summary.get("computed_on") or {}).items() if k < sites}
+    if not partial:
+        return []
+    named = ", ".join(f"{m} on {k} of {sites} sites" for m, k in sorted(partial.items()))
+    return ["", f"Computed where defined on a site's data, means over those sites: {named}."]
 
 
 def summary_markdown(summary: Mapping[str, Any], report: RunReport | None = None) -> str:

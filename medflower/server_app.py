@@ -111,6 +111,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             f"{model_spec.adapter!r} has no trainable parameter (a frozen head and no adapter); choose an adapter "
             f"(lora, bottleneck, ...) or a trainable head"
         )
+    recorder.training_plan = (cfg.batch_size, cfg.local_epochs)  # a small site's training records say so once
     recorder.write_config({**cfg.to_dict(), "resolved": resolved_model(cfg, model)})
     log(
         INFO,

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from logging import WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from .. import profiling
 from ..data import (
@@ -35,7 +38,7 @@ from ..data.encoded import BoxPrompts, encoded, module_digest
 from ..data.roots import check_model_paths, in_simulation
 from ..models import AdaptedModel, build_model
 from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
-from ..results import safe_name
+from ..results import few_steps_message, safe_name
 from ..training import DeviceError, OptimizerSpec, evaluate, pick_device, train_epochs
 from .records import derive_seed, from_record, to_record
 
@@ -239,10 +242,12 @@ class ClientRuntime:
         and round; with run-config dp-sgd, DP-SGD steps and the site's ε so far (``dp_sgd_epsilon``)."""
         torch.manual_seed(self.seed(2))
         private = PrivateTraining.from_config(self.cfg)
+        loader = self.loader("train", shuffle=True, batch_size=batch_size)
+        self.say_if_small(len(loader), batch_size or self.cfg.batch_size)
         with profiling.phase("train"):
             metrics = train_epochs(
                 self.model if model is None else model,
-                self.loader("train", shuffle=True, batch_size=batch_size),
+                loader,
                 epochs=self.cfg.local_epochs,
                 optimizer=optimizer or self.optimizer(),
                 device=self.device,
@@ -253,6 +258,17 @@ class ClientRuntime:
         if private is not None:
             metrics["dp_sgd_epsilon"] = self.account_dp_sgd(private)
         return metrics
+
+    def say_if_small(self, steps: int, batch_size: int) -> None:
+        """Log once per site (and batch size) when its training split gives fewer than a handful of optimizer steps
+        per epoch: how many, and what batch size would give more."""
+        n = len(self.data.train)
+        run = f"{self.context.run_id}:{self.config.get('state-dir') or self.config.get('run-name', '')}"
+        key = (run, self.client, n, batch_size)
+        if key in _SAID_SMALL or not (message := few_steps_message(n, steps, batch_size)):
+            return
+        _SAID_SMALL.add(key)
+        log(WARNING, "[medflower] this site (%s) is small: %s", self.client, message)
 
     def account_dp_sgd(self, private: PrivateTraining) -> float:
         """The site's DP-SGD steps so far (kept in its state, so a restarted site goes on counting) and their ε."""
@@ -316,6 +332,22 @@ class ClientRuntime:
         return None
 
 
+_SAID_SMALL: set[tuple[str, str, int, int]] = set()  # (run, site, ...) this process has told about
+
+
+def defined_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` without those undefined on the site's data (NaN or infinite: AUC of a split holding one class, a
+    mean over nothing): left out of the reply rather than sent, since the server refuses a reply with a non-finite
+    number; the summary counts the sites each metric was computed on."""
+    return {
+        k: v for k, v in metrics.items() if (all(_finite(x) for x in v) if isinstance(v, (list, tuple)) else _finite(v))
+    }
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, (int, float, np.number)) or math.isfinite(value)
+
+
 def _metric_list(values: list | tuple) -> list[int] | list[float]:
     """A list metric as MetricRecord takes it: ints stay ints (counts), anything else becomes float."""
     if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in values):
@@ -364,7 +396,7 @@ class ClientHalf:
                 "metrics": MetricRecord(
                     {
                         k: _metric_list(v) if isinstance(v, (list, tuple)) else float(v)
-                        for k, v in (metrics or {}).items()
+                        for k, v in defined_metrics(metrics or {}).items()
                     }
                 ),
                 "info": ConfigRecord({"partition-id": self.rt.partition_id, "client": self.rt.client}),
