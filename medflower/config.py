@@ -51,6 +51,7 @@ from .strategies import STRATEGIES
 from .strategies.registry import strategies_with, strategies_with_dp
 from .strategies.server import FederatedStrategy
 from .strategies.site_registry import SiteRegistry
+from .tracking import TRACKING_KEYS, TRACKING_OPTIONS
 
 __all__ = ["ConfigError", "ExperimentConfig", "Option", "all_options", "defaults", "run_config_markdown"]
 
@@ -416,6 +417,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     *DP_OPTIONS,
     *DP_SGD_OPTIONS,
     *SECAGG_OPTIONS,
+    *TRACKING_OPTIONS,
 )
 GENERIC_GROUPS = ("run", "data", "tasks", "model", "train", "replies", "privacy")
 GENERIC_KEYS = frozenset(o.key for o in GENERIC_OPTIONS)
@@ -784,6 +786,7 @@ class ExperimentConfig:
             "overwrite",
             "keep-checkpoints",
             "site-registry",
+            *TRACKING_KEYS,
         }
         return {k: v for k, v in self.to_dict().items() if k not in loose}
 

@@ -44,7 +44,6 @@ import math
 import shlex
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -53,8 +52,10 @@ import yaml
 
 from .config import PATH_DATASETS, ConfigError, ExperimentConfig, defaults
 from .pretrain import parse_args as parse_pretrain_args
+from .progress import Job, Progress
 from .results import POOLED, read_records, safe_name
 from .strategies.continual_report import task_curve_layout
+from .tracking import missing_package
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
 
@@ -103,9 +104,11 @@ def load_plan(path: Path) -> dict[str, Any]:
             if config.get("backbone-weights") in plan["pretrain"]:  # built before the first run
                 config["backbone-weights"] = "none"
             try:
-                ExperimentConfig.from_run_config({**defaults(), **config}, check_paths=True)
+                cfg = ExperimentConfig.from_run_config({**defaults(), **config}, check_paths=True)
             except ConfigError as err:
                 raise ExperimentFileError(f"{path}: run {run['name']!r}: {err}") from err
+            if problem := missing_package(cfg.tracking):  # the server's environment: where this command runs
+                raise ExperimentFileError(f"{path}: run {run['name']!r}: {problem}")
     if plan.get("reference") is not None and plan["reference"] not in names:
         raise ExperimentFileError(
             f"{path}: 'reference' {plan['reference']!r} is not one of the runs ({', '.join(sorted(names))})"
@@ -212,13 +215,19 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     for key in ("class-embeddings", "text-encoder"):
         if out.get(key):
             out[key] = str(Path(out[key]).expanduser().resolve())
+    uri = out.get("tracking-uri")
+    if isinstance(uri, str) and uri and ":" not in uri.split("/")[0]:  # a folder, not a URI (sqlite:, http:, ...)
+        out["tracking-uri"] = str(Path(uri).expanduser().resolve())
     return out
 
 
 def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
     """One (run, seed)'s run config. Its folder is <out_dir>/<run>-seed<k>: running the file again redoes it
-    (``overwrite`` true unless the file sets it false, then a finished run's folder is refused)."""
-    config = {"overwrite": True, **plan["base"], **{k: v for k, v in run.items() if k != "name"}}
+    (``overwrite`` true unless the file sets it false, then a finished run's folder is refused). Tracked runs of a
+    file go together: an MLflow experiment named after the file, TensorBoard log folders side by side in
+    <out_dir>/tensorboard/ (docs/experiments.md#tracking)."""
+    config = {"overwrite": True, "tracking-experiment": plan["name"], **plan["base"]}
+    config.update({k: v for k, v in run.items() if k != "name"})
     config.update(
         {"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"}
     )
@@ -232,6 +241,21 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
     jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
     n = int(plan["num-supernodes"])
     threads = int(plan["threads"])
+    configs = [run_config(plan, run, seed, out_dir) for run, seed in jobs]
+    progress = Progress(
+        [
+            Job(f"{run['name']} seed {seed}", out_dir / config["run-name"], int(config.get("num-rounds", 5)))
+            for (run, seed), config in zip(jobs, configs)
+        ]
+    )
+    where = "in process" if engine == "inprocess" else f"flwr run, {n} simulated sites"
+    print(f"{len(jobs)} runs ({where}, {threads} torch thread(s) each)", flush=True)
+
+    def finished(i: int) -> None:
+        path = out_dir / configs[i]["run-name"] / "summary.json"
+        summary = json.loads(path.read_text()) if path.is_file() else None
+        progress.finish(i, summary, list(plan["metrics"]))
+
     if engine == "inprocess":
         import torch
 
@@ -240,21 +264,25 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            for i, (run, seed) in enumerate(jobs, 1):
-                print(f"[{i}/{len(jobs)}] {run['name']} seed {seed} (in process, {threads} thread(s))", flush=True)
-                run_inprocess(run_config(plan, run, seed, out_dir), num_nodes=n, record_sent=False)
+            for i, config in enumerate(configs):
+                progress.start(i)
+                run_inprocess(config, num_nodes=n, record_sent=False)
+                finished(i)
         finally:
+            progress.close()
             torch.set_num_threads(before)
         return
     from .loopback import LoopbackFederation
 
     pinned = {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     with LoopbackFederation(num_supernodes=n, simulation=True, workdir=out_dir / ".superlink", extra_env=pinned) as fed:
-        for i, (run, seed) in enumerate(jobs, 1):
-            started = time.monotonic()
-            print(f"[{i}/{len(jobs)}] {run['name']} seed {seed}: flwr run ...", flush=True)
-            fed.run_app(run_config(plan, run, seed, out_dir))
-            print(f"[{i}/{len(jobs)}] done in {time.monotonic() - started:.0f}s", flush=True)
+        try:
+            for i, config in enumerate(configs):
+                progress.start(i)
+                fed.run_app(config)
+                finished(i)
+        finally:
+            progress.close()
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:

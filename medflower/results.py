@@ -102,6 +102,8 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        # the run's experiment tracker (medflower/tracking.py's RunTracking), told every record; None: no tracking
+        self.tracking: Any = None
         # (batch size, local epochs) of the run: with them a site's training records say when it is a small site
         self.training_plan: tuple[int, int] | None = None
         self._small_sites: set[str] = set()
@@ -109,6 +111,8 @@ class RunRecorder:
     # ------------------------------------------------------------------ writing
     def write_config(self, config: Mapping[str, Any]) -> None:
         (self.run_dir / "config.json").write_text(json.dumps(dict(config), indent=1, sort_keys=True))
+        if self.tracking is not None:
+            self.tracking.config(config)
 
     def _append(self, record: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
@@ -118,9 +122,13 @@ class RunRecorder:
         self._append({"kind": kind, "round": rnd, "client": client, **extra, **dict(metrics)})
         if kind == "train":
             self._check_small_site(client, metrics)
+        if self.tracking is not None:
+            self.tracking.client(rnd, client, kind, metrics)
 
     def log_server(self, rnd: int, **fields: Any) -> None:
         self._append({"kind": "server", "round": rnd, "time": time.time(), **fields})
+        if self.tracking is not None:
+            self.tracking.server(rnd, fields)
 
     def _check_small_site(self, client: str, metrics: Mapping[str, Any]) -> None:
         """Say once per site when its training reply shows fewer than ``FEW_STEPS`` optimizer steps per epoch."""
@@ -231,6 +239,9 @@ class RunRecorder:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         (self.run_dir / "summary.md").write_text(report.markdown(summary))
         report.plot(self.records("eval"), self.run_dir / "curves.png", title=f"{report.title(summary)} on {dataset}")
+        if self.tracking is not None:
+            names = ("summary.md", "summary.json", "curves.png", "config.json", "metrics.jsonl")
+            self.tracking.files([self.run_dir / name for name in names])
         return summary
 
 

@@ -21,6 +21,7 @@ from .privacy import check_dp_sgd_model
 from .privacy.ledger import check_client_dp_model
 from .results import RunRecorder, safe_name
 from .strategies.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
+from .tracking import open_tracking
 
 app = ServerApp()
 
@@ -112,7 +113,10 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
             f"(lora, bottleneck, ...) or a trainable head"
         )
     recorder.training_plan = (cfg.batch_size, cfg.local_epochs)  # a small site's training records say so once
-    recorder.write_config({**cfg.to_dict(), "resolved": resolved_model(cfg, model)})
+    recorder.tracking = tracking = open_tracking(cfg, run_dir, strategy.completed_rounds)
+    recorder.write_config(
+        {**cfg.to_dict(), "resolved": {**resolved_model(cfg, model), "rounds": strategy.total_rounds()}}
+    )
     log(
         INFO,
         "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
@@ -126,10 +130,17 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         run_dir.resolve(),
     )
     elapsed_before = strategy.elapsed_s
-    strategy.run(grid)
-    wall = elapsed_before + (time.monotonic() - started)
-    extra = {**strategy.summary_extra(), **(strategy.privacy.summary() if strategy.privacy else {})}
-    summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report())
+    try:
+        strategy.run(grid)
+        wall = elapsed_before + (time.monotonic() - started)
+        extra = {**strategy.summary_extra(), **(strategy.privacy.summary() if strategy.privacy else {})}
+        summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report())
+    except BaseException:
+        if tracking is not None:
+            tracking.close(failed=True)
+        raise
+    if tracking is not None:
+        tracking.close()
     final = ", ".join(
         f"{k}={v:.4f}"
         for k, v in summary["final"].items()

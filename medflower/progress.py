@@ -1,0 +1,181 @@
+"""The experiment runner's progress: a bar with the current run, its round and an ETA, and a line per finished run.
+
+The runs write their own folders (``metrics.jsonl``: a server record per round; ``config.json``: the rounds the
+strategy runs); a thread reads what a run has appended since it last looked, so the same works for runs in this
+process and for runs behind ``flwr run``. On a terminal the bar is one line rewritten in place; elsewhere (a log
+file, CI) a line per round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+BAR = 20  # characters of the bar
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as 42s, 3m05s or 1h02m."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+@dataclass
+class Job:
+    """One (run, seed) of the file: its label, folder and the rounds it is expected to take."""
+
+    label: str
+    folder: Path
+    rounds: int
+
+
+class RoundReader:
+    """The rounds a run folder's ``metrics.jsonl`` has finished, read incrementally (only new lines)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.offset = 0
+        self.done = 0
+        self.total: int | None = None
+
+    def poll(self) -> int:
+        path = self.folder / "metrics.jsonl"
+        if self.total is None and (self.folder / "config.json").is_file():
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not written whole yet
+                self.total = int(json.loads((self.folder / "config.json").read_text())["resolved"]["rounds"])
+        try:
+            with path.open("rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self.done
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("kind") == "server" and "evaluated_in" not in record:
+                self.done = max(self.done, int(record.get("round", 0)))
+        return self.done
+
+
+class Progress:
+    """Tells how far the file's runs are: ``start(i)`` before run i, ``finish(i, summary)`` after it."""
+
+    def __init__(self, jobs: list[Job], out: TextIO | None = None, interval: float = 1.0):
+        self.jobs = jobs
+        self.out = out or sys.stdout
+        self.interval = interval
+        self.tty = bool(getattr(self.out, "isatty", lambda: False)())
+        self.started = time.monotonic()
+        self.rounds_done = 0  # rounds of the finished runs
+        self.run_started = self.started
+        self.current: int | None = None
+        self.reader: RoundReader | None = None
+        self.shown: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+
+    # --------------------------------------------------------------------------------- what is shown
+    def eta(self, done_in_run: int) -> float | None:
+        """Seconds left: the mean time of a round so far times the rounds still to run (None before a round)."""
+        done = self.rounds_done + done_in_run
+        if not done:
+            return None
+        total_left = sum(job.rounds for job in self.jobs[self.current or 0 :]) - done_in_run
+        return (time.monotonic() - self.started) / done * max(total_left, 0)
+
+    def line(self) -> str:
+        i = self.current or 0
+        job = self.jobs[i]
+        done = self.reader.done if self.reader else 0
+        total = job.rounds
+        overall = self.rounds_done + done
+        planned = max(sum(j.rounds for j in self.jobs), 1)
+        filled = min(BAR, int(BAR * overall / planned))
+        eta = self.eta(done)
+        return (
+            f"[{'#' * filled}{'.' * (BAR - filled)}] run {i + 1}/{len(self.jobs)} {job.label}: round {done}/{total}, "
+            f"{duration(time.monotonic() - self.started)} elapsed, ETA {'?' if eta is None else duration(eta)}"
+        )
+
+    def _show(self, force: bool = False) -> None:
+        with self._lock:
+            if self.current is None:
+                return
+            key = (self.current, self.reader.done if self.reader else 0)
+            if self.tty:
+                self.out.write("\r\033[K" + self.line())
+            elif force or key != self.shown:
+                self.out.write(self.line() + "\n")
+            self.shown = key
+            self.out.flush()
+
+    def _poll(self) -> int:
+        """The current run's finished rounds; once its config.json says how many it runs, that is its plan."""
+        if self.reader is None or self.current is None:
+            return 0
+        done = self.reader.poll()
+        if self.reader.total:
+            self.jobs[self.current].rounds = self.reader.total
+        return done
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                self._poll()
+                self._show()
+
+    # --------------------------------------------------------------------------------- the runner's calls
+    def start(self, i: int) -> None:
+        with self._lock:
+            self.current = i
+            self.reader = RoundReader(self.jobs[i].folder)
+            self.run_started = time.monotonic()
+        self._show(force=True)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="medflower-progress", daemon=True)
+            self._thread.start()
+
+    def finish(self, i: int, summary: dict[str, Any] | None, metrics: list[str]) -> str:
+        """The run's one-line result (its final metrics, or that it left no summary), printed and returned."""
+        job = self.jobs[i]
+        with self._lock:
+            done = self._poll()
+            self.rounds_done += job.rounds  # what is left of the plan no longer counts towards the ETA
+            self.reader = None
+            if summary is None:
+                result = "no summary.json (see the log above)"
+            else:
+                values = [f"{m}={v:.4f}" for m in metrics if isinstance(v := summary["final"].get(m), (int, float))]
+                result = f"{summary.get('rounds', done)} rounds, " + (" ".join(values) or "no metric of the table")
+            text = (
+                f"[{i + 1}/{len(self.jobs)}] {job.label} done in {duration(time.monotonic() - self.run_started)}: "
+                f"{result}"
+            )
+            self.out.write(("\r\033[K" if self.tty else "") + text + "\n")
+            self.out.flush()
+        return text
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self.current = None
+            if self.tty:
+                self.out.write("\r\033[K")
+                self.out.flush()
