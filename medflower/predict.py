@@ -75,7 +75,7 @@ from .data.segfolder import (
 from .data.volumes import _resized, case_name, find_cases
 from .models import ModelError
 from .trained import RunError, Site, TrainedRun, with_site_model
-from .training import DeviceError, autocast, one_hot_masks
+from .training import DeviceError, autocast
 from .training.metrics import SegmentationScores, classification_metrics, segmentation_scores
 
 MASK_LAYOUTS = ("auto", "label", "planes")
@@ -328,12 +328,12 @@ def truth_planes(item: Item, num: int, shape: tuple[int, ...], value_map) -> np.
 
 
 def _class_planes(classes: np.ndarray, num: int, where: Path) -> np.ndarray:
+    """bool [K, ...] planes of class-index ground truth (class k + 1 is structure k), as the run's loss reads it."""
     if int(classes.max(initial=0)) > num:
         raise PredictError(
             f"{where}: ground truth holds class {int(classes.max())}, but the model has {num} structures"
         )
-    planes = one_hot_masks(torch.from_numpy(np.asarray(classes, dtype=np.int64))[None], num)[0]
-    return planes.numpy().astype(bool)
+    return np.stack([classes == k + 1 for k in range(num)])
 
 
 def class_index(label: str, names: list[str], shown: str) -> int:

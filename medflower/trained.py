@@ -347,9 +347,14 @@ def with_site_model(
     runtime = SiteRuntime(cfg, context, config, site.partition_id if site else 0, site.num_partitions if site else 1)
     runtime.run, runtime.site = run, site
     results: list[T] = []
+    failed: list[BaseException] = []  # what ``use`` raised: the caller's error, passed on as it is
 
     def evaluate_splits(splits=("val", "test"), model: torch.nn.Module | None = None) -> dict[str, Any]:
-        results.append(use(runtime.model if model is None else model, runtime.device))
+        try:
+            results.append(use(runtime.model if model is None else model, runtime.device))
+        except BaseException as err:
+            failed.append(err)
+            raise
         return {}
 
     runtime.evaluate_splits = evaluate_splits  # where the client half would score its splits
@@ -364,11 +369,12 @@ def with_site_model(
         with _watched_state_loads() as loads:
             try:
                 cfg.strategy_class.client_half(runtime).evaluate(message)
-            except (RunError, ModelError) as err:
-                raise RunError(str(err)) from err
-            except Exception as err:  # a client half that needs what is not here (its data, a file)
-                if results:
-                    raise
+            except Exception as err:
+                if failed:  # the caller's own error, whatever the client half made of it
+                    raise failed[0] from None
+                if isinstance(err, (RunError, ModelError)):
+                    raise RunError(str(err)) from err
+                # a client half that needs what is not here (its data, a file)
                 raise RunError(
                     f"strategy {cfg.strategy!r} could not assemble the model of {name}: {type(err).__name__}: {err}"
                 ) from err
