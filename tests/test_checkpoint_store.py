@@ -386,3 +386,41 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_round_to_the_unin
 def timeless(rows: list[dict]) -> list[dict]:
     """Records without their timings."""
     return [{k: v for k, v in r.items() if k != "time" and not k.endswith("_s")} for r in rows]
+
+
+def test_same_named_runs_keep_their_own_site_state_and_a_resumed_run_finds_its_own(tmp_path, monkeypatch):
+    """Sites with node-config state-dir key each run's state by its identity (kept in the checkpoint): a second run
+    of the same name (another seed) in between neither prunes nor feeds the first, which resumes to the same
+    personal models as an uninterrupted run."""
+    from medflower.strategies.server import FederatedStrategy
+
+    class Stop(Exception):
+        pass
+
+    original = FederatedStrategy.run_round
+    stop_at: list[int] = []
+
+    def run_round(self, grid, rnd):
+        if stop_at and rnd == stop_at[0]:
+            raise Stop
+        return original(self, grid, rnd)
+
+    monkeypatch.setattr(FederatedStrategy, "run_round", run_round)
+    common = {**TINY, "strategy": "local", "num-rounds": 2, "run-name": "same"}
+    sites = [{"state-dir": str(tmp_path / "state")}, {"state-dir": str(tmp_path / "state")}]
+    stop_at.append(2)
+    with pytest.raises(Stop):
+        run_inprocess({**common, "output-dir": str(tmp_path / "a")}, 2, node_configs=sites)
+    stop_at.clear()
+    run_inprocess({**common, "output-dir": str(tmp_path / "b"), "seed": 1}, 2, node_configs=sites)
+    run_inprocess(
+        {**common, "output-dir": str(tmp_path / "a"), "resume-from": str(tmp_path / "a" / "same")},
+        2,
+        node_configs=sites,
+    )
+    alone = [{"state-dir": str(tmp_path / "alone")}, {"state-dir": str(tmp_path / "alone")}]
+    run_inprocess({**common, "output-dir": str(tmp_path / "c")}, 2, node_configs=alone)
+    uids = {Checkpointer(tmp_path / d / "same" / "checkpoint").load()[1]["run_uid"] for d in ("a", "b")}
+    assert len(uids) == 2 and {p.name for p in (tmp_path / "state").iterdir()} == {f"same-{u}" for u in uids}
+    final = {d: [r for r in records(tmp_path / d / "same", "eval") if r["round"] == 2] for d in ("a", "c")}
+    assert final["a"] and final["a"] == final["c"]

@@ -320,13 +320,17 @@ class ClientRuntime:
         return os.path.join(base, "medflower")
 
     def state_dir(self) -> Path | None:
-        """Folder for this site's persistent state: node-config 'state-dir' (a folder per run below it), else, in a
-        simulation, the server's suggestion (its run folder's client-state/). A SuperNode never writes where the
-        server says: without node-config state-dir its state lives in memory only (lost when it restarts)."""
+        """Folder for this site's persistent state: node-config 'state-dir' (a folder per run below it, named by the
+        run's name and identity: ``<run-name>-<run-uid>``, so same-named runs never share it and a resumed run finds
+        its own), else, in a simulation, the server's suggestion (its run folder's client-state/). A SuperNode never
+        writes where the server says: without node-config state-dir its state lives in memory only (lost when it
+        restarts)."""
         node_dir = self.context.node_config.get("state-dir")
         if node_dir:
             run_name = safe_name(str(self.config.get("run-name", "run"))) or "run"
-            return Path(str(node_dir)) / run_name / f"partition-{self.partition_id}"
+            run_uid = safe_name(str(self.config.get("run-uid", "")))
+            folder = f"{run_name}-{run_uid}" if run_uid else run_name
+            return Path(str(node_dir)) / folder / f"partition-{self.partition_id}"
         if self.config.get("state-dir") and in_simulation():
             return Path(str(self.config["state-dir"])) / f"partition-{self.partition_id}"
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -181,6 +182,9 @@ class FederatedStrategy:
         self.global_arrays: OrderedDict[str, np.ndarray] = OrderedDict((k, np.array(v)) for k, v in shared.items())
         self.completed_rounds = 0
         self.elapsed_s = 0.0
+        # The run's identity for the sites' state folders (node-config state-dir): new for every run, kept by a
+        # resumed one, so that runs of the same name never share, prune or read each other's per-site state.
+        self.run_uid = uuid.uuid4().hex
         self.nodes: dict[int, NodeInfo] = {}
         self.federation_size = 0  # N: the nodes known when the round started (a node rejected in it still counts)
         self.stats = RoundStats()
@@ -219,6 +223,7 @@ class FederatedStrategy:
                 "array_order": list(arrays),
                 "strategy_meta": meta,
                 "privacy": self.privacy.state_dict() if self.privacy else None,
+                "run_uid": self.run_uid,
             },
         )
 
@@ -240,6 +245,7 @@ class FederatedStrategy:
             self.privacy.load_state_dict(meta["privacy"])
         self.completed_rounds = int(meta["completed_rounds"])
         self.elapsed_s = float(meta.get("elapsed_s", 0.0))
+        self.run_uid = str(meta.get("run_uid", ""))  # '': a checkpoint from before run identities (state by name)
         log(INFO, "[medflower] resumed %s from %s after round %d", self.name, store.loaded, self.completed_rounds)
 
     # ------------------------------------------------------------------ messaging
@@ -250,6 +256,7 @@ class FederatedStrategy:
                 "num-classes": self.num_classes,
                 "model-classes": self.model_classes(self.num_classes),
                 "run-name": self.recorder.run_dir.name,
+                "run-uid": self.run_uid,
                 "state-dir": str((self.recorder.run_dir / "client-state").resolve()),
                 **extra,
             }
