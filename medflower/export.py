@@ -91,7 +91,8 @@ def _hooked(model: nn.Module) -> tuple[list[tuple[str, str]], list[str]]:
             elif isinstance(owner, QKDelta):
                 adapters.append((type(owner).__name__, "an update held beside the fused qkv weights"))
             else:
-                foreign.append(f"{type(owner).__name__ if owner is not None else hook!r} on {name or 'the model'}")
+                what = type(owner).__name__ if owner is not None else getattr(hook, "__qualname__", repr(hook))
+                foreign.append(f"{what} on {name or 'the model'}")
     return adapters, foreign
 
 
