@@ -28,7 +28,15 @@ app = ServerApp()
 
 # A folder holding any of these already holds a run; RUN_OUTPUTS is what overwrite=true deletes.
 RUN_MARKS = ("metrics.jsonl", "checkpoint", "client-state", "summary.json")
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "summary.md", "curves.png", "checkpoint", "client-state")
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "summary.json",
+    "summary.md",
+    "curves.png",
+    "checkpoint",
+    "client-state",
+    "privacy-releases.jsonl",
+)
 
 
 def run_folder(cfg: ExperimentConfig) -> Path:

@@ -192,3 +192,41 @@ def test_a_site_reporting_dp_sgd_epsilon_0_is_rejected_as_a_bad_reply(tiny, monk
     assert server["num_rejected"] == 1 and "dp_sgd_epsilon = 0 is below" in server["rejected"][0]
     per_site = summary["privacy"]["dp_sgd"]["epsilon_per_site"]
     assert len(per_site) == 1 and min(per_site.values()) > 0
+
+
+# ----------------------------------------------------------------------------- redone rounds
+def test_a_round_redone_after_a_crash_counts_both_releases(tiny, monkeypatch):
+    """Round 2's noised updates went out, then the server died before its checkpoint: the resumed run releases
+    round 2 again, and the client-level ε composes 3 releases, not 2; resume-from an earlier round counts the
+    rounds after it the same way."""
+    from medflower.strategies.server import FederatedStrategy
+
+    class Crash(Exception):
+        pass
+
+    original = FederatedStrategy.run_round
+    crash_in: list[int] = []
+
+    def run_round(self, grid, rnd):
+        original(self, grid, rnd)  # the sites trained and released their noised updates
+        if rnd in crash_in:
+            raise Crash
+
+    monkeypatch.setattr(FederatedStrategy, "run_round", run_round)
+    z, delta = 2.0, 1e-5
+    config = tiny(**{"run-name": "dp-crash", "dp": "site", "dp-noise-multiplier": z, "num-rounds": 2})
+    crash_in.append(2)
+    with pytest.raises(Crash):
+        run_inprocess(config, num_nodes=2)
+    crash_in.clear()
+    summary, _ = run_inprocess({**config, "resume-from": str(run_dir_of(config))}, num_nodes=2)
+    level = summary["privacy"]["client_level"]
+    assert level["releases"] == 3 and level["redone_releases"] == 1
+    assert level["epsilon"] == pytest.approx(planned_epsilon(z, 3, delta, 2.0))
+    assert level["epsilon"] > planned_epsilon(z, 2, delta, 2.0)
+    # From round 1's checkpoint: round 2 was released twice already and is released a third time.
+    again, _ = run_inprocess(
+        {**config, "resume-from": str(run_dir_of(config) / "checkpoint" / "round-000001")}, num_nodes=2
+    )
+    assert again["privacy"]["client_level"]["releases"] == 4
+    assert again["privacy"]["client_level"]["epsilon"] == pytest.approx(planned_epsilon(z, 4, delta, 2.0))

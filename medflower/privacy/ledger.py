@@ -13,14 +13,20 @@ round (docs/privacy.md#accounting).
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import time
 from collections.abc import Mapping
 from logging import WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.common.logger import log
 
 from ..options import ConfigError, bad
+
+RELEASES_FILE = "privacy-releases.jsonl"  # in the run folder: one line per round whose training was sent
 
 
 def check_privacy_config(
@@ -122,6 +128,46 @@ class PrivacyLedger:
         self.site_sizes: dict[str, int] = {}  # DP-SGD: the training size each site declared (its plan)
         self.decreases: list[dict[str, Any]] = []  # DP-SGD: reports lower than the site's earlier ones
         self.rounds = 0  # rounds accounted so far
+        self.redone = 0  # client level: releases of rounds that a crash or resume-from made the run do again
+
+    def mark_release(self, run_dir: Path, rnd: int) -> None:
+        """Note on disk, durably and before any of round ``rnd``'s training messages is sent, that the round's
+        updates are about to be released; ``count_unfinished`` reads these marks on resume."""
+        if self.accountant is None:
+            return  # DP-SGD: each site counts every step it takes, a redone round's included
+        with open(Path(run_dir) / RELEASES_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"round": int(rnd), "time": round(time.time(), 3)}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def count_unfinished(self, run_dir: Path) -> int:
+        """On resume: compose the releases of rounds whose training went out but which the checkpoint does not
+        hold (the round a crash interrupted; with resume-from an earlier round, the rounds after it). The run does
+        them again and releases them again, so each counts twice: the accountant never understates. A mark
+        written just before a crash that came before any message was sent over-counts that round, never under.
+        Returns how many releases were added."""
+        if self.accountant is None:
+            return 0
+        path = Path(run_dir) / RELEASES_FILE
+        marked = 0
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    marked += isinstance(json.loads(line).get("round"), int)
+                except (ValueError, AttributeError):
+                    continue  # a line torn by the crash: its round's messages were not sent yet
+        extra = marked - self.accountant.rounds
+        if extra > 0:
+            self.accountant.compose_round(extra)
+            self.redone += extra
+            log(
+                WARNING,
+                "[medflower] privacy: %d round(s) released updates that the checkpoint does not hold; they are "
+                "redone and each release counts (client-level ε now %.4g)",
+                extra,
+                self.accountant.epsilon(),
+            )
+        return max(extra, 0)
 
     def allows_next_round(self) -> bool:
         """Whether the next round stays within dp-target-epsilon: the client-level accountant's next release, and
@@ -234,6 +280,8 @@ class PrivacyLedger:
                 "rounds": self.accountant.rounds,
                 "accountant": "RDP (Flower's RdpAccountant over dp-accounting), no amplification by sampling, "
                 f"neighbouring datasets: {RELATION[cfg.dp]}",
+                "releases": self.accountant.rounds,
+                "redone_releases": self.redone,
             }
         if cfg.dp_sgd:
             privacy["dp_sgd"] = {
@@ -253,6 +301,7 @@ class PrivacyLedger:
             "dp_sgd_sizes": self.site_sizes,
             "dp_sgd_decreases": self.decreases,
             "rounds": self.rounds,
+            "redone": self.redone,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,3 +312,4 @@ class PrivacyLedger:
         self.decreases = list(state.get("dp_sgd_decreases") or [])
         fallback = self.accountant.rounds if self.accountant is not None else 0
         self.rounds = int(state.get("rounds", fallback))
+        self.redone = int(state.get("redone", 0))

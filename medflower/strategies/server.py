@@ -243,6 +243,8 @@ class FederatedStrategy:
         self.load_state(arrays, meta.get("strategy_meta", {}))
         if self.privacy is not None and meta.get("privacy"):
             self.privacy.load_state_dict(meta["privacy"])
+        if self.privacy is not None:  # rounds released before the crash and redone now count too
+            self.privacy.count_unfinished(self.recorder.run_dir)
         self.completed_rounds = int(meta["completed_rounds"])
         self.elapsed_s = float(meta.get("elapsed_s", 0.0))
         self.run_uid = str(meta.get("run_uid", ""))  # '': a checkpoint from before run identities (state by name)
@@ -495,6 +497,8 @@ class FederatedStrategy:
             if self.privacy is not None and rnd == first:  # DP-SGD's plan per site, from the sizes they declared
                 self.privacy.check_sites({n.client: n.num_train for n in self.nodes.values()}, self.total_rounds())
             before = self.snapshot()
+            if self.privacy is not None:
+                self.privacy.mark_release(self.recorder.run_dir, rnd)
             self.run_round(grid, rnd)
             if problem := self.non_finite_state():
                 self.load_state(*before)
