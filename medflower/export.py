@@ -75,8 +75,12 @@ def fold_adapters(model: nn.Module) -> dict[str, Any]:
             replacement = module.get_base_layer()
         setattr(parent, child, replacement)
         folded[kind] += 1
-    kept = Counter(f"{kind} (cannot be folded: {why})" for kind, why in _hooked(model)[0])
-    return {"folded": dict(folded), "kept_as_modules": dict(kept)}
+    adapters, foreign = _hooked(model)
+    kept = Counter(f"{kind} (cannot be folded: {why})" for kind, why in adapters)
+    notes: dict[str, Any] = {"folded": dict(folded), "kept_as_modules": dict(kept)}
+    if foreign:  # a method's per-site computation (FedDBE's bias): only the traced formats record it
+        notes["method_hooks"] = foreign
+    return notes
 
 
 def _hooked(model: nn.Module) -> tuple[list[tuple[str, str]], list[str]]:

@@ -117,6 +117,7 @@ class TrainedRun:
                 f"names {self.cfg.strategy!r}"
             )
         self.round = int(self.meta["completed_rounds"])
+        self.run_uid = str(self.meta.get("run_uid", ""))  # names the run's folder below a SuperNode's state-dir
 
     # ------------------------------------------------------------------ what the run holds
     @functools.cached_property
@@ -183,6 +184,7 @@ class TrainedRun:
         except (ValueError, ModelError) as err:
             raise RunError(f"{self.checkpoint}: {err}") from None
         strategy.completed_rounds = self.round
+        strategy.run_uid = self.run_uid
         return strategy
 
     # ------------------------------------------------------------------ sites
@@ -231,6 +233,13 @@ class TrainedRun:
         folder = self.folder / "client-state" / f"partition-{partition}"
         return folder if folder.is_dir() else None
 
+    @property
+    def state_folder_name(self) -> str:
+        """The run's folder below a SuperNode's state-dir: ``<run-name>-<run-uid>`` (``ClientRuntime.state_dir``)."""
+        name = safe_name(self.folder.name) or "run"
+        uid = safe_name(self.run_uid)
+        return f"{name}-{uid}" if uid else name
+
     def _deployed_site(self, name: str | None, state_dir: Path) -> Site:
         """A SuperNode's site: its state below node-config state-dir (``<state-dir>/<run-name>/partition-<id>``)."""
         if not state_dir.is_dir():
@@ -238,14 +247,13 @@ class TrainedRun:
         if PARTITION.fullmatch(state_dir.name):
             folders = [state_dir]
         else:
-            base = state_dir / safe_name(self.folder.name)
-            base = base if base.is_dir() else state_dir
+            run_folder = self.state_folder_name
+            base = state_dir / run_folder if (state_dir / run_folder).is_dir() else state_dir
             folders = sorted(p for p in base.iterdir() if p.is_dir() and PARTITION.fullmatch(p.name))
         if not folders:
             raise RunError(
-                f"--state-dir {state_dir}: no partition-<id>/ folder in it or in "
-                f"{state_dir / safe_name(self.folder.name)} (a site keeps its state in <node-config state-dir>/"
-                "<run-name>/partition-<id>/)"
+                f"--state-dir {state_dir}: no partition-<id>/ folder in it or in {state_dir / self.state_folder_name} "
+                "(a SuperNode keeps a run's state in <node-config state-dir>/<run-name>-<run-uid>/partition-<id>/)"
             )
         wanted = None
         if name is not None and (match := PARTITION.fullmatch(name)):
@@ -329,7 +337,14 @@ def with_site_model(
     """``use(model, device)`` on the site's model (the global one when ``site`` is None) as the strategy's client half
     assembles it for the run's last evaluation; returns what ``use`` returns. RunError when the model is per site
     and no site (or no state of it) is given, or when the strategy's sites evaluate with a routine of their own."""
+    from .strategies.pfedmxf import IncrementalClient
+
     cfg = run.cfg
+    if issubclass(cfg.strategy_class.client_half, IncrementalClient):
+        raise RunError(
+            f"strategy {cfg.strategy!r} learns classes task by task: its sites score the classes seen so far through "
+            "their own routing over the tasks' heads, not one model's outputs, which is what predict and export take"
+        )
     strategy = run.strategy()
     if site is None and per_site_server_model(run, strategy):
         raise RunError(

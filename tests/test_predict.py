@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from trained_runs import hand_model, last_evaluation, model_outputs, site_test_split, trained_run
+from trained_runs import hand_model, last_evaluation, last_round, model_outputs, site_test_split, trained_run
 
 from medflower.data.image_datasets import read_rgb
 from medflower.predict import PredictError, main, predict
@@ -183,3 +183,24 @@ def test_the_command_line_says_what_is_wrong(tmp_path, capsys):
     code = main(["--run", str(tmp_path / "nowhere"), "--images", str(tmp_path), "--out", str(tmp_path / "out")])
     assert code == 2
     assert "error: run folder" in capsys.readouterr().err
+
+
+def test_a_supernodes_state_dir_gives_the_sites_model(segmenter, tmp_path):
+    """A deployed site's state lives below its node-config state-dir, in the run's folder <run-name>-<run-uid>."""
+    images, _ = site_test_split(segmenter, 1)
+    write_images(tmp_path / "in", images[:3])
+    uid = json.loads((last_round(segmenter) / "state.json").read_text())["run_uid"]
+    shutil.copytree(segmenter / "client-state" / "partition-1", tmp_path / "state" / f"segmenter-{uid}" / "partition-1")
+    shutil.copytree(segmenter / "client-state" / "partition-0", tmp_path / "state" / f"segmenter-{uid}" / "partition-0")
+
+    report = predict(
+        segmenter, tmp_path / "in", tmp_path / "out", site="partition-1", state_dir=tmp_path / "state", device="cpu"
+    )
+
+    expected = model_outputs(hand_model(segmenter, partition=1), images[:3]).numpy() > 0
+    for i in range(3):
+        mask = np.asarray(Image.open(tmp_path / "out" / "masks" / f"img{i:02d}.png"))
+        np.testing.assert_array_equal(mask > 0, expected[i].any(axis=0))
+    assert report["model"]["site"]["partition"] == 1
+    with pytest.raises(RunError, match="several site state folder.*partition-0, partition-1"):
+        predict(segmenter, tmp_path / "in", tmp_path / "out", state_dir=tmp_path / "state")
