@@ -119,6 +119,7 @@ def _quiet() -> Iterator[None]:
 
 
 def write_safetensors(model: nn.Module, path: Path, rebuild: dict[str, Any]) -> None:
+    """The merged model's weights, with what rebuilds its architecture (``rebuild``, checked to fit them first)."""
     from safetensors.torch import save_model
 
     _, foreign = _hooked(model)
@@ -128,7 +129,24 @@ def write_safetensors(model: nn.Module, path: Path, rebuild: dict[str, Any]) -> 
             f"({'; '.join(foreign)}), which its weights cannot bring back; export torchscript or onnx, which record "
             "the whole computation"
         )
+    if rebuild:
+        shapes = {k: tuple(v.shape) for k, v in rebuilt(rebuild).state_dict().items()}
+        if misfit := [k for k, v in model.state_dict().items() if shapes.get(k) != tuple(v.shape)]:
+            raise ExportError(
+                f"format safetensors rebuilds the model from the run config's description, which this model does not "
+                f"fit ({len(misfit)} weights differ in shape or name, e.g. {misfit[0]}: a site's sub-network of the "
+                "backbone, as the sub-model strategies train); export torchscript or onnx, which hold the architecture"
+            )
     save_model(model, str(path), metadata={METADATA_KEY: json.dumps(rebuild)})
+
+
+def rebuilt(rebuild: dict[str, Any]) -> nn.Module:
+    """The architecture a safetensors export describes, its adapters folded (random weights)."""
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in rebuild["spec"].items() if k in fields})
+    model = build_model(spec, int(rebuild["classes"]))
+    fold_adapters(model)
+    return model
 
 
 def load_safetensors(path: str | Path) -> nn.Module:
@@ -141,11 +159,7 @@ def load_safetensors(path: str | Path) -> nn.Module:
         metadata = handle.metadata() or {}
     if METADATA_KEY not in metadata:
         raise ExportError(f"{path}: not a medflower export (no '{METADATA_KEY}' entry in its metadata)")
-    rebuild = json.loads(metadata[METADATA_KEY])
-    fields = {f.name for f in dataclasses.fields(ModelSpec)}
-    spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in rebuild["spec"].items() if k in fields})
-    model = build_model(spec, int(rebuild["classes"]))
-    fold_adapters(model)
+    model = rebuilt(json.loads(metadata[METADATA_KEY]))
     load_model(model, str(path), strict=True)
     return model.eval()
 
@@ -255,7 +269,13 @@ def export(
         write_torchscript(merged, out, x)
     else:
         exporter = write_onnx(merged, out, x)
-    got = loaded_outputs(fmt, out, x)
+    try:
+        got = loaded_outputs(fmt, out, x)
+    except Exception as err:  # each format's reader raises its own kinds
+        out.unlink(missing_ok=True)
+        raise ExportError(
+            f"the {fmt} file could not be read back ({type(err).__name__}: {err}); nothing was written"
+        ) from err
     scale = max(1.0, float(expected.abs().max()))
     check: dict[str, Any] = {
         "probe_inputs": PROBES,

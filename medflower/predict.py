@@ -418,8 +418,10 @@ class Predictor:
     rows: list[dict[str, Any]] = field(default_factory=list)
     scored: list[tuple[Item, SegmentationScores]] = field(default_factory=list)
     written: list[str] = field(default_factory=list)
+    device: str = ""  # the device the model ran on
 
     def __call__(self, model: torch.nn.Module, device: torch.device) -> dict[str, Any]:
+        self.device = str(device)
         model.to(device).eval()
         if self.run.task == "classification":
             return self.classify(model, device)
@@ -578,7 +580,7 @@ def predict(
         "inputs": len(inputs.items),
         "outputs": predictor.written,
         "scores": result["scores"],
-        "device": device,
+        "device": predictor.device,
         "seconds": round(time.monotonic() - started, 3),
     }
     (out / "prediction.json").write_text(json.dumps(report, indent=1))

@@ -1,6 +1,7 @@
 """python -m medflower.export: each format read back gives the run's model's outputs on a site's images; the card
 says what the model is; a format a model cannot take is refused with the reason."""
 
+import dataclasses
 import json
 import shutil
 
@@ -133,6 +134,20 @@ def test_safetensors_refuses_a_model_that_computes_through_a_hook(tmp_path):
     write_torchscript(model, tmp_path / "m.pt", x)
     with torch.no_grad():
         torch.testing.assert_close(load_torchscript(tmp_path / "m.pt")(x), model(x))
+
+
+def test_safetensors_refuses_a_model_its_description_does_not_rebuild(tmp_path):
+    """A site's sub-network (the sub-model strategies cut FFN neurons per site) does not fit the run's spec."""
+    model = small_model("lora")
+    fold_adapters(model)
+    spec = {**dataclasses.asdict(model.spec), "weights": "none"}
+    write_safetensors(model, tmp_path / "fits.safetensors", {"spec": spec, "classes": 3})
+    with pytest.raises(ExportError, match=r"does not fit \(2 weights differ .*head.weight.*torchscript or onnx"):
+        write_safetensors(model, tmp_path / "wider.safetensors", {"spec": spec, "classes": 5})
+    assert not (tmp_path / "wider.safetensors").exists()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(load_safetensors(tmp_path / "fits.safetensors")(x), model(x))
 
 
 def test_bad_requests_are_refused(runs, tmp_path, capsys):
