@@ -19,7 +19,7 @@ from flwr.common.logger import log
 
 from .config import ExperimentConfig
 from .data.roots import site_reads
-from .privacy import privatise_train_reply
+from .privacy import privatise_train_reply, withhold_training_metrics
 from .privacy.policy import SitePolicy, check_before_training, record_after_training
 from .privacy.secagg import secagg_mod
 from .site_worker import SiteError
@@ -52,6 +52,7 @@ def handle(message: Message, context: Context) -> Message:
             content = handler(message)
         if message.metadata.message_type == "train":  # run-config dp: clip (and noise) the update before it leaves
             content = privatise_train_reply(message.content, content, cfg)
+            content = withhold_training_metrics(content, cfg)  # with dp/dp-sgd/secagg: no image-derived metric
             metrics = content.metric_records.get("metrics") if hasattr(content, "metric_records") else None
             record_after_training(runtime, cfg, policy, metrics)
         return Message(content, reply_to=message)

@@ -9,6 +9,7 @@ from safetensors.numpy import load_file
 
 from medflower.config import ConfigError, ExperimentConfig
 from medflower.inprocess import InProcessGrid, run_inprocess
+from medflower.privacy.client_dp import PRIVATE_TRAIN_METRICS
 
 STAGE = "stage"
 
@@ -34,6 +35,11 @@ def test_secure_round_equals_the_plain_fedavg_round(tiny):
     assert summary["communication"]["bytes_up"] > 0
     assert [r["secagg_sites"] for r in records(run_dir_of(secure), "server")] == [3]
     assert len(records(run_dir_of(secure), "train")) == 3  # each site's training metrics, numbers only
+    # Beside the secure sum only what does not depend on the images travels in the clear (n_k, steps); without
+    # secagg the loss comes too.
+    assert all("train_loss" in r for r in records(run_dir_of(plain), "train"))
+    for record in records(run_dir_of(secure), "train"):
+        assert set(record) - {"kind", "round", "client"} <= PRIVATE_TRAIN_METRICS, record
 
 
 def test_a_sites_bad_training_metrics_are_dropped_and_its_masked_update_still_counts(tiny, monkeypatch):
@@ -100,6 +106,30 @@ def test_too_many_dropouts_leave_the_model_unchanged_and_the_run_going(tiny):
     assert all(np.array_equal(first[k], second[k]) for k in first)
 
 
+def test_a_round_left_with_two_sites_is_skipped_and_the_run_goes_on(tiny, monkeypatch):
+    """Three sites, then one leaves the federation: a 2-site round cannot be secured (each site would read the
+    other's update from the new model, and Flower's workflow refuses 2 shares). The round is skipped with its
+    reason, the model kept, and the run ends; before, the workflow's error stopped the whole run."""
+    from medflower.strategies.server import FederatedStrategy
+
+    original = FederatedStrategy.run_round
+    left: list[bool] = []
+
+    def run_round(self, grid, rnd):
+        original(self, grid, rnd)
+        left.append(True)  # after round 1, node 3 is gone
+
+    monkeypatch.setattr(FederatedStrategy, "run_round", run_round)
+    monkeypatch.setattr(InProcessGrid, "get_node_ids", lambda self: [1, 2] if left else list(self.contexts))
+    config = tiny(**{"run-name": "two-left", "num-rounds": 2, "secagg": True})
+    summary, _ = run_inprocess(config, num_nodes=3)
+    server = records(run_dir_of(config), "server")
+    assert summary["rounds"] == 2 and [r["secagg_sites"] for r in server] == [3, 0]
+    assert "secagg: round skipped: SecAgg+ needs at least 3 sites" in server[1]["failed"][0]
+    first, second = _arrays(config, 1), _arrays(config, 2)
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
 def _first_only(condition):
     """A drop rule true for the first message that meets ``condition`` only."""
     seen = []
@@ -139,6 +169,8 @@ def test_site_noise_and_secure_aggregation_together(tiny):
     summary, _ = run_inprocess(config, num_nodes=3)
     assert summary["privacy"]["client_level"]["rounds"] == 2
     assert [r["secagg_sites"] for r in records(run_dir_of(config), "server")] == [3, 3]
+    for record in records(run_dir_of(config), "train"):
+        assert set(record) - {"kind", "round", "client"} <= PRIVATE_TRAIN_METRICS, record
 
 
 @pytest.mark.parametrize(
@@ -152,7 +184,7 @@ def test_site_noise_and_secure_aggregation_together(tiny):
         ({"secagg": True, "dp": "server"}, r"'secagg' = True is invalid: dp='server' clips every site's update on the"),
         (
             {"secagg": True, "secagg-num-shares": 3, "secagg-reconstruction-threshold": 4},
-            r"'secagg-reconstruction-threshold' = 4 is invalid: is more than secagg-num-shares = 3",
+            r"'secagg-reconstruction-threshold' = 4 is invalid: is not less than secagg-num-shares = 3",
         ),
         ({"secagg": True, "secagg-reconstruction-threshold": 1}, r"'secagg-reconstruction-threshold' = 1 .*>= 2"),
         ({"secagg": True, "max-client-share": 0.5}, r"'secagg' = True is invalid: max-client-share = 0.5 caps"),
@@ -164,11 +196,11 @@ def test_bad_secagg_config_is_refused_before_round_1(overrides, match):
         ExperimentConfig.from_run_config(overrides, check_paths=False)
 
 
-def test_fewer_sites_than_the_threshold_is_refused_at_the_round(tiny):
+def test_a_federation_too_small_for_secagg_is_refused_at_round_1(tiny):
     config = tiny(**{"run-name": "few", "secagg": True, "secagg-reconstruction-threshold": 3})
     with pytest.raises(
         ConfigError,
-        match=r"'secagg-reconstruction-threshold' = 3 is invalid: needs 3 sites but this "
-        r"round has 2",
+        match=r"'secagg' = True cannot run: SecAgg\+ needs at least 3 sites in a round and this round has 2.*set "
+        r"min-nodes",
     ):
         run_inprocess(config, num_nodes=2)

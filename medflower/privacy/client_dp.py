@@ -179,3 +179,23 @@ def privatise_train_reply(
         )
     )
     return content
+
+
+# What a training reply may carry beside its (noised or secure-summed) update when the run has dp, dp-sgd or secagg:
+# the weight n_k, the number of optimizer steps (a function of n_k, batch-size and local-epochs) and the DP-SGD ε
+# (a function of the steps). Everything else a site computes from its training images (its loss, a method's
+# statistics) would travel in the clear beside the protected arrays.
+PRIVATE_TRAIN_METRICS = frozenset({"num-examples", "train_steps", "dp_sgd_epsilon"})
+
+
+def withhold_training_metrics(content: RecordDict, cfg) -> RecordDict:
+    """With dp, dp-sgd or secagg: drop every training metric outside ``PRIVATE_TRAIN_METRICS`` from the reply
+    before it leaves the site (the carried evaluation of evaluate-in-train is the validation and test images'
+    metrics, which an evaluation reply sends anyway: docs/privacy.md#what-the-guarantee-covers)."""
+    if cfg.dp == "none" and not cfg.dp_sgd and not cfg.secagg:
+        return content
+    if "metrics" in content.metric_records:
+        metrics = content["metrics"]
+        for key in [k for k in metrics if k not in PRIVATE_TRAIN_METRICS]:
+            del metrics[key]
+    return content

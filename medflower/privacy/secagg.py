@@ -59,6 +59,11 @@ SECAGG_OPTIONS: tuple[Option, ...] = (
     ),
 )
 
+
+class SecureRoundError(RuntimeError):
+    """A round that SecAgg+ cannot run (too few sites for its shares and threshold): the server skips it."""
+
+
 NAMES = "secagg-names"  # the training message's config entry naming the arrays, in order (FitIns has a list only)
 
 
@@ -91,34 +96,36 @@ def check_secagg_config(cfg, strategy_name: str, able: bool, supported: list[str
         )
     if cfg.secagg_num_shares == 1:
         raise bad("secagg-num-shares", 1, "a site's secrets need at least 2 shares (0 = every site of the round)")
-    if cfg.secagg_num_shares and cfg.secagg_reconstruction_threshold > cfg.secagg_num_shares:
+    if cfg.secagg_num_shares and cfg.secagg_reconstruction_threshold >= cfg.secagg_num_shares:
         raise bad(
             "secagg-reconstruction-threshold",
             cfg.secagg_reconstruction_threshold,
-            f"is more than secagg-num-shares = {cfg.secagg_num_shares}: no site could ever be unmasked",
+            f"is not less than secagg-num-shares = {cfg.secagg_num_shares}: Flower's SecAgg+ needs fewer shares to "
+            "reconstruct than it deals, so that a site that leaves can be unmasked",
         )
     if cfg.secagg_reconstruction_threshold == 1:
         raise bad("secagg-reconstruction-threshold", 1, "one share would let a single site unmask another; use >= 2")
 
 
-def shares_and_threshold(cfg, num_sites: int) -> tuple[int, int]:
-    """The round's (shares, threshold); ConfigError when the round has too few sites for them."""
+MIN_SITES = 3  # with 2, each site reads the other's update: the new global model minus its own
+
+
+def shares_and_threshold(cfg, num_sites: int) -> tuple[int, int] | str:
+    """The round's (shares, threshold), or why a round of ``num_sites`` sites cannot be secured: fewer than
+    MIN_SITES sites (then each site could subtract its own update from the new global model and read the other's,
+    and Flower's workflow wants more than 2 shares), or secagg-num-shares / secagg-reconstruction-threshold beyond
+    the sites present. The server skips such a round (the model is unchanged) instead of stopping the run."""
+    if num_sites < MIN_SITES:
+        return (
+            f"SecAgg+ needs at least {MIN_SITES} sites in a round and this round has {num_sites} (with 2, each site "
+            "could read the other's update from the new global model)"
+        )
     shares = cfg.secagg_num_shares or num_sites
     threshold = cfg.secagg_reconstruction_threshold or max(2, shares // 2 + 1)
-    if num_sites < 2:
-        raise bad("secagg", True, f"SecAgg+ needs at least 2 sites in a round, this round has {num_sites}")
     if shares > num_sites:
-        raise bad(
-            "secagg-num-shares",
-            cfg.secagg_num_shares,
-            f"is more than the {num_sites} sites of this round; use at most {num_sites} (or 0 = all)",
-        )
-    if threshold > num_sites:
-        raise bad(
-            "secagg-reconstruction-threshold",
-            threshold,
-            f"needs {threshold} sites but this round has {num_sites}; lower it or add sites (min-nodes)",
-        )
+        return f"secagg-num-shares = {shares} is more than the {num_sites} sites of this round"
+    if threshold >= shares:
+        return f"the reconstruction threshold {threshold} needs fewer than the {shares} shares of this round"
     return shares, threshold
 
 
@@ -210,7 +217,10 @@ def secure_mean_update(
         def evaluate(self, server_round, parameters):
             return None
 
-    shares, threshold = shares_and_threshold(cfg, len(contents))
+    plan = shares_and_threshold(cfg, len(contents))
+    if isinstance(plan, str):
+        raise SecureRoundError(plan)
+    shares, threshold = plan
     state = RecordDict(
         {
             MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd}),

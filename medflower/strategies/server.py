@@ -22,7 +22,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..data.tasks import parse_task_classes
-from ..options import Option
+from ..options import ConfigError, Option
 from ..privacy import PrivacyLedger, noised_mean
 from ..results import RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
@@ -592,7 +592,7 @@ class FederatedStrategy:
         """The training phase as Flower's SecAgg+ (medflower/privacy/secagg.py): only the n_k-weighted mean of the
         sites' updates reaches ``aggregate_secure``. It is checked like a reply (names, shapes, finite, within
         reply-value-limit); each site's training metrics are checked like a reply's before they are logged."""
-        from ..privacy.secagg import protocol_bytes, secure_mean_update
+        from ..privacy.secagg import SecureRoundError, protocol_bytes, secure_mean_update
 
         def count(content: RecordDict, down: bool) -> None:
             size = record_bytes(content) + protocol_bytes(content)
@@ -602,7 +602,19 @@ class FederatedStrategy:
                 self.stats.bytes_up += size
 
         cap = max(self.nodes[n].num_train for n in contents if n in self.nodes)
-        mean, results = secure_mean_update(grid, rnd, contents, float(max(cap, 1)), self.cfg, count)
+        try:
+            mean, results = secure_mean_update(grid, rnd, contents, float(max(cap, 1)), self.cfg, count)
+        except Exception as err:  # a round that cannot be secured, or the workflow failing: skipped, never the run
+            why = str(err) if isinstance(err, SecureRoundError) else f"{type(err).__name__}: {str(err)[:300]}"
+            if isinstance(err, SecureRoundError) and self.completed_rounds == 0:
+                raise ConfigError(  # no round of this federation was ever secured: a run that would train nothing
+                    f"run-config 'secagg' = True cannot run: {why}; set min-nodes to the sites SecAgg+ needs "
+                    "(docs/privacy.md#secure-aggregation)"
+                ) from None
+            log(WARNING, "[medflower] round %d: SecAgg+ round skipped: %s; the model is unchanged", rnd, why)
+            self.stats.failed.append(f"secagg: round skipped: {why}")
+            self.stats.extra["secagg_sites"] = 0
+            return
         for node_id, fitres in results:
             # Untrusted like any reply's metrics; a bad set is dropped, but the site's masked update stays in the
             # sum: SecAgg+ cannot take one site out of it (nor check its weight n_k, docs/privacy.md).
