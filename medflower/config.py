@@ -179,6 +179,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "a node whose claimed site name does not match is refused. Empty = no registry",
     ),
     Option(
+        "site-figures",
+        4,
+        "test images in each site's picture of its model's predictions at the first and the last round (ground "
+        "truth and predicted contours per structure; a classifier's class and probability), drawn by the site into "
+        "its own folder: sites/<site>/ of the run folder in simulation, node-config figures-dir on a SuperNode (none "
+        "without it); 0 = no pictures (docs/experiments.md#pictures)",
+        in_range(0, 16),
+    ),
+    Option(
         "site-datasets",
         "",
         "dataset per partition id, comma-separated (e.g. 'synthetic-seg,synthetic-seg,synthetic'); sites with "
@@ -786,6 +795,7 @@ class ExperimentConfig:
             "overwrite",
             "keep-checkpoints",
             "site-registry",
+            "site-figures",
             *TRACKING_KEYS,
         }
         return {k: v for k, v in self.to_dict().items() if k not in loose}

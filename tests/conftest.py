@@ -46,6 +46,7 @@ TINY = {
     "batch-size": 32,
     "lr": 0.01,
     "partition": "iid",
+    "site-figures": 0,  # no pictures of the sites' predictions: the tests of them ask for some
 }
 
 

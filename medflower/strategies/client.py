@@ -305,7 +305,47 @@ class ClientRuntime:
                     precision=self.cfg.precision,
                 )
             out.update({(k if split == "test" else f"{split}_{k}"): v for k, v in metrics.items()})
+        if "test" in splits:
+            self.write_figure(self.model if model is None else model)
         return out
+
+    def write_figure(self, model: torch.nn.Module) -> Path | None:
+        """At the first and the last round, a picture of ``model``'s predictions on the first run-config
+        ``site-figures`` images of the site's test split (contours of ground truth and prediction per structure; a
+        classifier's class and probability), written into the site's own ``figures_dir`` and never sent. A picture
+        that cannot be drawn is logged, never an evaluation error. Returns the file written, if any."""
+        count = int(self.cfg.site_figures)
+        if count <= 0 or self.round not in (1, self.cfg.num_rounds) or len(self.data.test) == 0:
+            return None
+        folder = self.figures_dir()
+        if folder is None:
+            return None
+        from ..figures import sample_figure_name, write_site_figure
+
+        path = folder / sample_figure_name(self.round)
+        try:
+            with profiling.phase("evaluate"):
+                write_site_figure(
+                    model,
+                    self.raw_data.test,
+                    self.loader("test", batch_size=min(count, len(self.data.test))),
+                    self.device,
+                    self.cfg.precision,
+                    self.data.class_names,
+                    path,
+                    f"{self.client}: round {self.round} of {self.cfg.num_rounds}",
+                )
+        except Exception as err:  # a picture is never worth an evaluation
+            log(
+                WARNING,
+                "[medflower] site %s: no picture of round %d (%s: %s)",
+                self.client,
+                self.round,
+                type(err).__name__,
+                err,
+            )
+            return None
+        return path
 
     def cache_dir(self) -> str:
         """This site's decoded-image cache folder (docs/data.md#decoded-image-cache): node-config ``cache-dir``
@@ -327,12 +367,31 @@ class ClientRuntime:
         restarts)."""
         node_dir = self.context.node_config.get("state-dir")
         if node_dir:
-            run_name = safe_name(str(self.config.get("run-name", "run"))) or "run"
-            run_uid = safe_name(str(self.config.get("run-uid", "")))
-            folder = f"{run_name}-{run_uid}" if run_uid else run_name
-            return Path(str(node_dir)) / folder / f"partition-{self.partition_id}"
+            return Path(str(node_dir)) / self.run_folder_name() / f"partition-{self.partition_id}"
         if self.config.get("state-dir") and in_simulation():
             return Path(str(self.config["state-dir"])) / f"partition-{self.partition_id}"
+        return None
+
+    def run_folder_name(self) -> str:
+        """This run's folder below a site's own folders (node-config state-dir, figures-dir): the run's name and
+        identity, ``<run-name>-<run-uid>``."""
+        run_name = safe_name(str(self.config.get("run-name", "run"))) or "run"
+        run_uid = safe_name(str(self.config.get("run-uid", "")))
+        return f"{run_name}-{run_uid}" if run_uid else run_name
+
+    def figures_dir(self) -> Path | None:
+        """Folder for this site's pictures of its own test images (``write_figure``): node-config ``figures-dir``
+        (a folder per run and site below it, ``<run-name>-<run-uid>/<site>/``; '' = none), else, in a simulation,
+        the server's run folder's ``sites/<site>/`` (the folder the server suggests for client state, whose parent
+        is the run folder). A SuperNode without node-config figures-dir writes no picture: its images never leave
+        it, and it never writes where the server says."""
+        node = self.context.node_config
+        site = safe_name(self.client) or f"client-{self.partition_id}"
+        if "figures-dir" in node:
+            node_dir = str(node["figures-dir"])
+            return Path(node_dir) / self.run_folder_name() / site if node_dir else None
+        if self.config.get("state-dir") and in_simulation():
+            return Path(str(self.config["state-dir"])).parent / "sites" / site
         return None
 
 
