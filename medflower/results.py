@@ -1,4 +1,4 @@
-"""Run outputs: metrics.jsonl, summary.json, summary.md and curves.png (docs/experiments.md, "Outputs").
+"""Run outputs: metrics.jsonl, summary.json, summary.md, curves.png and sites.png (docs/experiments.md, "Outputs").
 
 ``metrics.jsonl`` has one JSON object per line:
 - ``{"kind": "train"|"eval", "round": r, "client": name, <metric>: value, ...}`` per client;
@@ -237,8 +237,13 @@ class RunRecorder:
         report = report or RunReport()
         summary = self.summary(strategy, dataset, wall_time_s, extra)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        (self.run_dir / "summary.md").write_text(report.markdown(summary))
-        report.plot(self.records("eval"), self.run_dir / "curves.png", title=f"{report.title(summary)} on {dataset}")
+        title = f"{report.title(summary)} on {dataset}"
+        report.plot(self.records("eval"), self.run_dir / "curves.png", title=title)
+        try:
+            report.plot_sites(summary, self.run_dir / SITE_BARS, title=title)
+        except Exception as err:  # a picture is never worth the run's summary
+            log(WARNING, "[medflower] no %s (%s: %s)", SITE_BARS, type(err).__name__, err)
+        (self.run_dir / "summary.md").write_text(report.markdown(summary, run_figures(self.run_dir)))
         if self.tracking is not None:
             names = ("summary.md", "summary.json", "curves.png", "config.json", "metrics.jsonl")
             self.tracking.files([self.run_dir / name for name in names])
@@ -308,8 +313,17 @@ class RunReport:
         """Write curves.png from the run's eval records."""
         plot_curves(evals, path, title)
 
-    def markdown(self, summary: Mapping[str, Any]) -> str:
-        """summary.md: title, the method's sections, the per-client table (mean, pooled) and the bytes."""
+    def plot_sites(self, summary: Mapping[str, Any], path: Path, title: str) -> bool:
+        """Write sites.png: each site's final value of the per-client table's metrics (but the loss) as bars, beside
+        curves.png; False (nothing written) when no site has one."""
+        from .figures import plot_site_bars
+
+        metrics = [m for m in self.columns(summary) if m != "loss"]
+        return plot_site_bars(summary["per_client"], metrics, path, title)
+
+    def markdown(self, summary: Mapping[str, Any], figures: Mapping[str, Any] | None = None) -> str:
+        """summary.md: title, the method's sections, the per-client table (mean, pooled), the bytes and, with
+        ``figures`` (``run_figures``), the run folder's pictures."""
         metrics = self.columns(summary)
         lines = [
             f"# {self.title(summary)} on {summary['dataset']}",
@@ -354,7 +368,63 @@ class RunReport:
             f"| {comm['rejected_replies']} |",
             "",
         ]
+        lines += figure_lines(figures or {})
         return "\n".join(lines)
+
+
+SITE_BARS = "sites.png"  # each site's final metrics as bars, beside curves.png
+SITE_FIGURES = "sites"  # simulation: <run folder>/sites/<site>/, each simulated site's own pictures
+
+
+def run_figures(run_dir: Path) -> dict[str, Any]:
+    """The pictures in a run folder, as paths relative to it: ``curves`` and ``sites`` (the bars) when written, and
+    ``site_figures`` {site: [its pictures by round]} (simulation: the sites drew them in ``sites/<site>/``)."""
+    from .figures import SAMPLE_PREFIX
+
+    run_dir = Path(run_dir)
+    found: dict[str, Any] = {
+        name: file for name, file in (("curves", "curves.png"), ("sites", SITE_BARS)) if (run_dir / file).is_file()
+    }
+    site_figures = {}
+    folder = run_dir / SITE_FIGURES
+    for site in sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []:
+        pictures = sorted(site.glob(f"{SAMPLE_PREFIX}*.png"))
+        if pictures:
+            site_figures[site.name] = [p.relative_to(run_dir).as_posix() for p in pictures]
+    if site_figures:
+        found["site_figures"] = site_figures
+    return found
+
+
+def figure_lines(figures: Mapping[str, Any]) -> list[str]:
+    """summary.md's pictures: the curves and the per-site bars side by side, then a link to each site's pictures
+    of its predictions, by round."""
+    from .figures import SAMPLE_PREFIX
+
+    images = [
+        f"![{alt}]({figures[key]})"
+        for key, alt in (("curves", "test metrics per round"), ("sites", "final test metrics per site"))
+        if figures.get(key)
+    ]
+    lines = [" ".join(images), ""] if images else []
+    site_figures = figures.get("site_figures") or {}
+    if site_figures:
+        lines += [
+            "Each site's model on its first test images (segmentation: ground truth solid, prediction dashed), drawn "
+            "by the site:",
+            "",
+            "| site | pictures |",
+            "|---|---|",
+        ]
+        for site, paths in site_figures.items():
+            links = []
+            for path in paths:
+                number = Path(path).stem.removeprefix(SAMPLE_PREFIX)
+                label = f"round {int(number)}" if number.isdigit() else Path(path).name
+                links.append(f"[{label}]({path})")
+            lines.append(f"| {site} | {', '.join(links)} |")
+        lines.append("")
+    return lines
 
 
 def _steps_cell(value: Any) -> str:

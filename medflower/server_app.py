@@ -33,6 +33,8 @@ RUN_OUTPUTS = (
     "summary.json",
     "summary.md",
     "curves.png",
+    "sites.png",
+    "sites",
     "checkpoint",
     "client-state",
     "privacy-releases.jsonl",
