@@ -27,7 +27,8 @@ rebuild. Each (run, seed) goes through ``flwr run`` against a SuperLink in simul
 this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks); running the
 file again redoes every run in its folder (``overwrite: false`` in ``base`` refuses instead).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
-over seeds of the final mean-over-clients metrics, bytes per round) and ``curves.png``.
+over seeds of the final mean-over-clients metrics, bytes per round), ``curves.png`` and ``per-site.png`` (each
+run's final metrics per site as heat maps).
 Metrics are summary.json's ``final`` entries: means over sites, or ``pooled_balanced_accuracy`` /
 ``pooled_accuracy`` (all sites' test rows together, from the server's round records; no per-site value).
 Δm (FedBKD's Table 1): the mean over sites of (site's value − the reference run's value for that
@@ -58,6 +59,7 @@ from .strategies.continual_report import task_curve_layout
 from .tracking import missing_package
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
+PER_SITE = "per-site.png"  # the per-site table as heat maps
 
 
 class ExperimentFileError(ValueError):
@@ -356,9 +358,29 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         markdown += per_client_markdown(plan, per_client, result.get("delta_m"))
     if mixing:
         markdown += mixing_markdown(mixing)
+    if plot_per_site(plan, per_client, out_dir):
+        markdown += (
+            f"\nEach run's final metrics per site, mean over seeds {plan['seeds']}:\n\n![per site]({PER_SITE})\n"
+        )
     (out_dir / "comparison.md").write_text(markdown)
     plot_overlay(plan, out_dir)
     return result
+
+
+def plot_per_site(plan: dict[str, Any], per_client: dict[str, Any], out_dir: Path) -> bool:
+    """per-site.png: the per-site table (comparison.json's ``per_client``) as one heat map per metric, runs as rows
+    and sites as columns; False when no metric has per-site values (pooled metrics) or it cannot be drawn (said)."""
+    from .figures import plot_per_site_table
+
+    path = out_dir / PER_SITE
+    try:
+        written = plot_per_site_table(per_client, plan["metrics"], path, plan["name"])
+    except Exception as err:  # the tables are written all the same
+        print(f"warning: no {path} ({type(err).__name__}: {err})", file=sys.stderr)
+        written = False
+    if not written:
+        path.unlink(missing_ok=True)  # not one of an earlier comparison
+    return written
 
 
 def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> dict[str, Any] | None:
@@ -618,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         execute(plan, out_dir, args.engine)
     result = compare(plan, out_dir)
     print((out_dir / "comparison.md").read_text())
-    print(f"written: {out_dir / 'comparison.md'}, {out_dir / 'comparison.json'}, {out_dir / 'curves.png'}")
+    written = [out_dir / name for name in ("comparison.md", "comparison.json", "curves.png", PER_SITE)]
+    print(f"written: {', '.join(str(path) for path in written if path.is_file())}")
     return 0 if result else 1
 
 
