@@ -288,7 +288,8 @@ class ClientRuntime:
 
         A classification site also sends its test split's confusion counts (``confusion``, C×C ints) for the
         server's pooled metrics, unless the sites hold different datasets (``site-datasets``: no shared labels).
-        A segmentation site scores structures its ground truth lacks by run-config ``empty-masks``.
+        A segmentation site scores structures its ground truth lacks by run-config ``empty-masks``. With the test
+        split, at the first and the last round, the site also draws ``model`` on a few test images (``write_figure``).
         """
         out: dict[str, Any] = {}
         for split in splits:
