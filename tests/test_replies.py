@@ -19,7 +19,7 @@ from medflower.inprocess import run_inprocess
 from medflower.site_app import SiteError, handle
 from medflower.strategies import STRATEGIES
 from medflower.strategies.checkpoint import Checkpointer
-from medflower.strategies.records import capped_shares, record_bytes
+from medflower.strategies.records import capped_shares, from_record, record_bytes, to_record
 from medflower.strategies.replies import NPY_HEADER, RejectedReply, check_reply, count_check
 from medflower.strategies.site_registry import SiteRegistry
 
@@ -315,3 +315,30 @@ def test_a_new_nodes_first_answer_may_take_node_wait_timeout(tmp_path, monkeypat
     waits.clear()
     run_inprocess({**config, "run-name": "s", "round-timeout": 300.0, "node-wait-timeout": 20.0}, 2)
     assert waits[0] == ("query", 300.0)
+
+
+def test_an_aggregate_that_makes_every_site_fail_is_rolled_back(tmp_path, monkeypatch):
+    """One site's round-2 reply has entries of 9e5, inside reply-value-limit: averaged in, the model makes every
+    site's training loss non-finite in round 3. The server rolls back to the model before round 2's aggregate,
+    and round 4 trains on all three sites again."""
+    half = STRATEGIES["fedavg"].client_half
+    honest = half.train
+
+    def poisoning(self, message):
+        content = honest(self, message)
+        if self.rt.partition_id == 0 and self.rt.round == 2:
+            arrays = from_record(content["arrays"])
+            content["arrays"] = to_record({k: np.full_like(v, 9e5) for k, v in arrays.items()})
+        return content
+
+    monkeypatch.setattr(half, "train", poisoning)
+    config = {**TINY, "num-rounds": 4, "output-dir": str(tmp_path), "run-name": "poison", "keep-checkpoints": 4}
+    run_inprocess(config, 3)
+    server = {r["round"]: r for r in records(run_dir_of(config), "server") if "evaluated_in" not in r}
+    assert len(server[3]["failed"]) == 3 and "round 2's aggregate" in server[3]["rolled_back"]
+    assert server[4]["failed"] == [] and "rolled_back" not in server[4]
+    trained = {r["client"] for r in records(run_dir_of(config), "train") if r["round"] == 4}
+    assert trained == {"site-0", "site-1", "site-2"}
+    checkpoints = run_dir_of(config) / "checkpoint"
+    one, three = (Checkpointer(checkpoints / f"round-00000{r}").load()[0] for r in (1, 3))
+    assert all(np.array_equal(one[k], three[k]) for k in one)  # round 3 ends with the model before round 2's mean

@@ -111,6 +111,8 @@ class RoundStats:
     rejected: list[str] = field(default_factory=list)
     aggregation_s: float = 0.0
     asked: int = 0  # nodes sent a training message in the round's default protocol (dp='server''s m)
+    trained: int | None = None  # valid training replies of the default protocol (None: a protocol of its own)
+    errors: dict[str, int] = field(default_factory=dict)  # error replies (the site raised) per message type
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
 
 
@@ -302,6 +304,7 @@ class FederatedStrategy:
                 continue
             answered.add(node_id)
             if msg.has_error():
+                self.stats.errors[message_type] = self.stats.errors.get(message_type, 0) + 1
                 reason = (msg.error.reason or "").strip().splitlines()
                 reason_text = reason[-1][:500] if reason else f"error code {msg.error.code}"
                 log(
@@ -478,6 +481,7 @@ class FederatedStrategy:
         """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
         self.wait_for_nodes(grid)
         first = self.completed_rounds + 1
+        previous_before = None  # the state before the last round that aggregated training replies
         for rnd in range(first, self.total_rounds() + 1):
             if self.privacy is not None and not self.privacy.allows_next_round():
                 log(
@@ -504,6 +508,19 @@ class FederatedStrategy:
                 self.load_state(*before)
                 log(WARNING, "[medflower] %s %d failed: %s; the previous model is kept", self.round_label, rnd, problem)
                 self.stats.extra["round_failed"] = problem
+            elif self.every_site_failed() and previous_before is not None:
+                self.load_state(*previous_before)  # the model before the last aggregate, which broke every site
+                log(
+                    WARNING,
+                    "[medflower] %s %d: every site's training failed after round %d's aggregate; rolled back to the "
+                    "model before it",
+                    self.round_label,
+                    rnd,
+                    rnd - 1,
+                )
+                self.stats.extra["rolled_back"] = f"round {rnd - 1}'s aggregate: every site's training failed after it"
+                before = None  # one step back at most: if the sites still fail, the cause is not that aggregate
+            previous_before = before if self.stats.trained else None
             if self.privacy is not None:
                 trained = {r["client"]: r for r in self.recorder.records("train") if r["round"] == rnd}
                 self.stats.extra.update(self.privacy.after_round(trained))
@@ -533,6 +550,12 @@ class FederatedStrategy:
                 self.recorder.round_summary(rnd),
             )
 
+    def every_site_failed(self) -> bool:
+        """Whether the round's training (default protocol) got no valid reply and every site asked raised an error
+        (not a timeout: a site that did not answer says nothing about the model it was sent)."""
+        errors = self.stats.errors.get("train", 0)
+        return self.stats.trained == 0 and self.stats.asked > 0 and errors == self.stats.asked
+
     def snapshot(self) -> tuple[OrderedDict[str, np.ndarray], dict[str, Any]]:
         """A copy of ``state()`` (what ``load_state`` restores when a round's aggregate is not finite)."""
         arrays, meta = self.state()
@@ -551,6 +574,7 @@ class FederatedStrategy:
             self.secure_train(grid, rnd, contents)
         else:
             replies = self.exchange(grid, "train", contents, rnd, expect=self.reply_spec)
+            self.stats.trained = len(replies)
             if self.evaluates_in_train(rnd):
                 self.record_carried_evaluation(grid, rnd, replies, asked=set(contents))
             for reply in replies:
@@ -625,6 +649,7 @@ class FederatedStrategy:
                 log(WARNING, "[medflower] round %d: ignored the training metrics of %s: %s", rnd, client, exc)
                 self.stats.rejected.append(f"{client}: {exc}")
         self.stats.extra["secagg_sites"] = len(results)
+        self.stats.trained = len(results)
         started = time.monotonic()
         spec = self.reply_spec(next(iter(contents)))
         if mean is not None and list(mean) == list(spec):  # dequantised in float64: back to the arrays' dtypes
