@@ -76,6 +76,7 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_key(tmp_path):
         summary = json.loads((out / "tls" / "summary.json").read_text())
         intruder_log = (fed.workdir / "intruder.log").read_text()
         assert "round 2/2 done" in proc.stdout  # progress streamed by `flwr run --stream`
+        assert "no site-registry: a site name is bound to its node only while" in proc.stdout
         pids = [p.pid for p in fed.supernodes.values()] + [fed.superlink.pid]
     assert sorted(summary["per_client"]) == ["site-0", "site-1", "site-2"]
     assert summary["strategy"] == "fedavg" and summary["rounds"] == 2 and summary["communication"]["bytes_up"] > 0

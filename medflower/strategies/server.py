@@ -480,6 +480,13 @@ class FederatedStrategy:
     def run(self, grid: Grid) -> None:
         """Rounds completed_rounds+1 .. total_rounds(), a checkpoint after each."""
         self.wait_for_nodes(grid)
+        if self.registry is None and type(grid).__name__ == "HttpGrid":  # a deployment (simulation: InMemoryGrid)
+            log(
+                WARNING,
+                "[medflower] no site-registry: a site name is bound to its node only while that node is connected, "
+                "so a node that claims the name of a site that has left is taken for that site (its per-site "
+                "aggregates included); with node authentication, set site-registry (docs/reliability.md#who-a-site-is)",
+            )
         first = self.completed_rounds + 1
         previous_before = None  # the state before the last round that aggregated training replies
         for rnd in range(first, self.total_rounds() + 1):
