@@ -138,7 +138,7 @@ def test_shared_frequencies_reuse_one_block_per_task_and_capacity_is_checked():
 
 
 def test_capacity_plan_of_the_papers_setting_and_the_largest_n_frequency_that_fits():
-    """10 sites x 10 tasks x n-frequency 3000 on ViT-B's 768x768 q/k matrices (issue 16)."""
+    """10 sites x 10 tasks x n-frequency 3000 on ViT-B's 768x768 q/k matrices (the paper's largest setting)."""
     shape = (768, 768)
     assert spectral.usable_coordinates(shape, True) == len(spectral.coordinate_order(shape, 0, True)) == 294_914
     assert spectral.usable_coordinates(shape, False) == 768 * 768
