@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from ..data.tasks import parse_task_classes
 from ..options import ConfigError, Option
 from ..privacy import PrivacyLedger, noised_mean
-from ..results import RunRecorder, RunReport
+from ..results import RESERVED_FIELDS, RunRecorder, RunReport
 from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
 from .checkpoint import Checkpointer, non_finite
 from .records import (
@@ -66,6 +66,16 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> lis
             break
         time.sleep(REPLY_POLL_S)
     return replies
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of an evaluation (reply metrics or a metrics.jsonl record): no lists (confusion counts), no record
+    fields."""
+    return {
+        k: v
+        for k, v in metrics.items()
+        if k not in RESERVED_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 @dataclass
@@ -154,6 +164,11 @@ class FederatedStrategy:
     # message's arrays, done before training, is the previous round's evaluation: run-config evaluate-in-train may
     # carry it in the training reply (``ClientHalf.train_after_evaluating``) and skip the evaluate phase.
     folds_evaluation: ClassVar[bool] = False
+    # Its final model is one model, the same for every site: ``evaluate_content`` sends every site the same arrays
+    # and its client half evaluates them as received, adding nothing the site keeps. Run-config
+    # cross-site-evaluation then sends it to every site; without it each site's final model is its own (parts kept on
+    # the site, or a model the server makes for that site alone) and only its own site evaluates it.
+    global_model: ClassVar[bool] = False
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
@@ -556,6 +571,68 @@ class FederatedStrategy:
                 round_s,
                 self.recorder.round_summary(rnd),
             )
+
+    def cross_site_evaluation(self, grid: Grid) -> dict[str, Any]:
+        """Run-config cross-site-evaluation, after the last round: the site x model matrix of the final models
+        (summary.json's ``cross_site``; docs/experiments.md#cross-site-evaluation).
+
+        ``matrix[site][model]``: the metrics of ``model`` on ``site``'s test split (and validation split, prefixed
+        ``val_``). With one global model (``global_model``) each known site gets one evaluate message carrying it
+        (``evaluate_content``, as the last round's evaluate phase sent it), its reply fills its row of the one column
+        ``global``, and the messages' bytes go into a server record of their own (``cross_site``), so the run's
+        communication totals count them. Otherwise each site's final model is its own and never leaves it (nor does
+        the server send a model it makes for one site to another): the matrix is its diagonal, each site's own model
+        on its own data as the last round's evaluation recorded it, and nothing is sent."""
+        rnd = self.completed_rounds
+        if rnd == 0:
+            return {"round": 0, "models": [], "matrix": {}, "note": f"no {self.round_label} completed: no final model"}
+        if not self.global_model:
+            last = {r["client"]: r for r in self.recorder.records("eval") if r["round"] == rnd}
+            return {
+                "round": rnd,
+                "models": sorted(last),
+                "matrix": {site: {site: scalar_metrics(r)} for site, r in sorted(last.items())},
+                "off_diagonal": (
+                    f"not available: with strategy {self.name!r} each site's final model is its own and never "
+                    "leaves it, so no site evaluates another site's model; the diagonal is each site's own model on "
+                    f"its own data, from the evaluation of {self.round_label} {rnd}"
+                ),
+            }
+        self.stats = RoundStats()
+        started = time.monotonic()
+        self.refresh_nodes(grid, rnd)  # a resumed run that had already finished knows no node yet
+        contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
+        replies = self.exchange(grid, "evaluate", contents, rnd)
+        self.recorder.log_server(
+            rnd,
+            cross_site=True,
+            bytes_down=self.stats.bytes_down,
+            bytes_up=self.stats.bytes_up,
+            failed=self.stats.failed,
+            rejected=self.stats.rejected,
+            num_failed=len(self.stats.failed),
+            num_rejected=len(self.stats.rejected),
+            round_s=round(time.monotonic() - started, 3),
+        )
+        answered = {r.node_id for r in replies}
+        result: dict[str, Any] = {
+            "round": rnd,
+            "models": ["global"],
+            "matrix": {
+                r.client: {"global": scalar_metrics(r.metrics)} for r in sorted(replies, key=lambda r: r.client)
+            },
+        }
+        if missing := sorted(self.client_name(n) for n in contents if n not in answered):
+            result["no_reply"] = missing
+        log(
+            INFO,
+            "[medflower] cross-site evaluation: the global model of %s %d on %d of %d sites",
+            self.round_label,
+            rnd,
+            len(replies),
+            len(contents),
+        )
+        return result
 
     def every_site_failed(self) -> bool:
         """Whether the round's training (default protocol) got no valid reply and every site asked raised an error
