@@ -160,6 +160,14 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "instead of two; the last round still has its evaluate phase); strategies with a single training phase "
         "only (docs/deployment.md#fewer-messages-per-round)",
     ),
+    Option(
+        "cross-site-evaluation",
+        False,
+        "after the last round, every site evaluates every final model it may see and summary.json/summary.md get the "
+        "site x model matrix: the global model on every site; with a personalised strategy only each site's own model "
+        "on its own data (it never leaves the site); strategies with the default round only "
+        "(docs/experiments.md#cross-site-evaluation)",
+    ),
     Option("output-dir", "outputs", "where run folders go (relative paths: the ServerApp's working directory)"),
     Option("run-name", "", "run folder name; empty = <strategy>-<dataset>-<time>"),
     Option("resume-from", "", "run folder (or its checkpoint/) of a stopped run to continue"),
@@ -613,6 +621,14 @@ class ExperimentConfig:
                 True,
                 "with secagg a training reply carries only the masked update, no evaluation; leave one of them off",
             )
+        if self.cross_site_evaluation and method.run_round is not FederatedStrategy.run_round:
+            supported = [n for n, c in STRATEGIES.items() if c.run_round is FederatedStrategy.run_round]
+            raise bad(
+                "cross-site-evaluation",
+                True,
+                f"strategy {self.strategy!r} runs a protocol of its own (phases or tasks beyond train and evaluate), "
+                f"whose final evaluation is its own too; it works with {', '.join(supported)}",
+            )
         if check_paths:
             self.check_data_paths()
             if self.site_registry:
@@ -796,6 +812,7 @@ class ExperimentConfig:
             "keep-checkpoints",
             "site-registry",
             "site-figures",
+            "cross-site-evaluation",  # only what happens after the last round: a finished run may be resumed for it
             *TRACKING_KEYS,
         }
         return {k: v for k, v in self.to_dict().items() if k not in loose}

@@ -368,6 +368,7 @@ class RunReport:
             f"| {comm['rejected_replies']} |",
             "",
         ]
+        lines += cross_site_lines(summary.get("cross_site"))
         lines += figure_lines(figures or {})
         return "\n".join(lines)
 
@@ -424,6 +425,38 @@ def figure_lines(figures: Mapping[str, Any]) -> list[str]:
                 links.append(f"[{label}]({path})")
             lines.append(f"| {site} | {', '.join(links)} |")
         lines.append("")
+    return lines
+
+
+def cross_site_lines(cross_site: Mapping[str, Any] | None) -> list[str]:
+    """summary.md's cross-site evaluation (run-config cross-site-evaluation): one row per site and model it evaluated,
+    with the headline metrics; what is not in the matrix, and why."""
+    if not cross_site:
+        return []
+    matrix = cross_site.get("matrix") or {}
+    metrics = [m for m in HEADLINE if any(m in row for models in matrix.values() for row in models.values())]
+    rnd = cross_site.get("round", 0)
+    if cross_site.get("models") == ["global"]:
+        what = (
+            f"The final global model (after round {rnd}) on each site's test split: one model that every site "
+            "received, so the matrix has one column."
+        )
+    else:
+        what = f"Each site's own final model (after round {rnd}) on its own test split, the matrix's diagonal."
+    lines = ["## Cross-site evaluation", "", what, ""]
+    if cross_site.get("off_diagonal"):
+        lines += [f"Off the diagonal: {cross_site['off_diagonal']}.", ""]
+    if cross_site.get("note"):
+        lines += [f"{cross_site['note']}.", ""]
+    if matrix:
+        lines += ["| site (data) | model | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+        for site, models in matrix.items():
+            for model, values in models.items():
+                label = "own" if model == site else model
+                lines.append(f"| {site} | {label} | " + " | ".join(cell(values.get(m)) for m in metrics) + " |")
+        lines.append("")
+    if cross_site.get("no_reply"):
+        lines += [f"No valid reply from: {', '.join(cross_site['no_reply'])}.", ""]
     return lines
 
 

@@ -144,6 +144,8 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         strategy.run(grid)
         wall = elapsed_before + (time.monotonic() - started)
         extra = {**strategy.summary_extra(), **(strategy.privacy.summary() if strategy.privacy else {})}
+        if cfg.cross_site_evaluation:  # after the last round: the site x model matrix of the final models
+            extra["cross_site"] = strategy.cross_site_evaluation(grid)
         summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report())
     except BaseException:
         if tracking is not None:

@@ -127,6 +127,7 @@ class Scaffold(FederatedStrategy):
     """
 
     name = "scaffold"
+    global_model = True
     client_half = ScaffoldClient
     folds_evaluation = True
     trains_backbone = True
@@ -209,6 +210,7 @@ class FedDyn(FederatedStrategy):
     """
 
     name = "feddyn"
+    global_model = True
     client_half = FedDynClient
     folds_evaluation = True
     trains_backbone = True

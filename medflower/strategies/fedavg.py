@@ -70,6 +70,7 @@ class FedAvg(FederatedStrategy):
     name = "fedavg"
     client_half = FedAvgClient
     folds_evaluation = True
+    global_model = True
     trains_backbone = True
     client_dp = ("site", "server")
     dp_sgd = True

@@ -112,6 +112,7 @@ class FedHEAL(FederatedStrategy):
     """
 
     name = "fedheal"
+    global_model = True
     client_half = FedAvgClient
     folds_evaluation = True
     trains_backbone = True

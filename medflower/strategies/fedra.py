@@ -231,6 +231,7 @@ class FedRA(FederatedStrategy):
     """
 
     name = "fedra"
+    global_model = True
     client_half = FedRAClient
     folds_evaluation = True  # the default round; with evaluate-in-train the training message carries the whole model
     options = OPTIONS

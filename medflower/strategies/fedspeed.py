@@ -221,6 +221,7 @@ class FedSpeed(FederatedStrategy):
     """
 
     name = "fedspeed"
+    global_model = True
     client_half = FedSpeedClient
     folds_evaluation = True  # the default round: train, aggregate, evaluate the global arrays
     trains_backbone = True
