@@ -54,7 +54,7 @@ def dicom_folder_site(root: Path, images: int = 12, seed: int = 20) -> Path:
 
 
 def break_site(kind: str, root: Path) -> tuple[Path, str]:
-    """A site whose data has one of the bad inputs a hospital's files can have; (its data-path, what its error must say)."""
+    """A site whose data has one of a hospital's bad inputs; (its data-path, what its error must say)."""
     if kind == "no-pixel-data":
         site = dicom_folder_site(root)
         write_dicom(site / "images" / "im3.dcm", None)
