@@ -425,6 +425,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "replies",
     ),
     Option(
+        "max-weight-over-median",
+        10.0,
+        "with 3 or more sites, a site's aggregation weight (its count or spread) is capped at this many times the "
+        "round's median weight before the shares are formed, so one site's declared size cannot take an aggregate; "
+        "0 = no cap",
+        non_negative,
+        "replies",
+    ),
+    Option(
         "reply-value-limit",
         1e6,
         "largest absolute value in the arrays of a site's reply (a reply beyond it is rejected before aggregation)",

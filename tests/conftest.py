@@ -238,3 +238,24 @@ def write_tiny_litemedsam(path: Path, seed: int = 0, img_size: int = 32) -> Path
 def tiny_litemedsam(tmp_path_factory) -> Path:
     """A tiny LiteMedSAM weights file (see ``write_tiny_litemedsam``)."""
     return write_tiny_litemedsam(tmp_path_factory.mktemp("litemedsam") / "tiny_lite_medsam.pth")
+
+
+def declaring_size(size: float):
+    """The join reply of partition 0 declares ``size`` training images and its training replies count as many
+    (a site lying about its size at joining, so that its count passes the declared-size check)."""
+    from medflower.strategies.client import ClientHalf
+
+    query, reply = ClientHalf.query, ClientHalf.reply
+
+    def lying_query(self, message):
+        content = query(self, message)
+        if self.rt.partition_id == 0:
+            content["metrics"]["num-train"] = float(size)
+        return content
+
+    def lying_reply(self, arrays=None, metrics=None):
+        if self.rt.partition_id == 0 and metrics and "num-examples" in metrics:
+            metrics = {**metrics, "num-examples": float(size)}
+        return reply(self, arrays, metrics)
+
+    return lying_query, lying_reply

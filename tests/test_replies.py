@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
+from conftest import TINY, declaring_size, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from medflower.config import ConfigError, defaults
@@ -19,8 +19,9 @@ from medflower.inprocess import run_inprocess
 from medflower.site_app import SiteError, handle
 from medflower.strategies import STRATEGIES
 from medflower.strategies.checkpoint import Checkpointer
-from medflower.strategies.records import capped_shares, from_record, record_bytes, to_record
+from medflower.strategies.records import capped_shares, from_record, median_capped, record_bytes, to_record
 from medflower.strategies.replies import NPY_HEADER, RejectedReply, check_reply, count_check
+from medflower.strategies.server import FederatedStrategy
 from medflower.strategies.site_registry import SiteRegistry
 
 SPEC = {"w": ((2, 3), "float32"), "b": ((3,), "float32")}
@@ -207,6 +208,45 @@ def test_capped_shares_never_exceed_the_cap_and_keep_the_order():
         shares = capped_shares(w, cap)
         assert math.isclose(shares.sum(), 1.0) and shares.max() <= cap + 1e-9
         assert (np.diff(shares[np.argsort(w)]) >= -1e-12).all(), "a heavier site never gets a smaller share"
+
+
+def test_a_weight_is_capped_at_a_multiple_of_the_median_with_three_sites_or_more():
+    assert np.allclose(median_capped([10, 20, 1e9], 10.0), [10, 20, 200])
+    assert np.allclose(median_capped([10, 1e9], 10.0), [10, 1e9]), "two sites: the median caps nothing"
+    assert np.allclose(median_capped([10, 20, 1e9], 0.0), [10, 20, 1e9]), "0 = off"
+    honest = [120, 80, 300, 95]  # no honest site above 10x the median: nothing changes
+    assert np.allclose(median_capped(honest, 10.0), honest)
+    # The bound on one site's share: factor / (factor + K - 1) of the others at the median.
+    shares = capped_shares(median_capped([50, 50, 1e9], 10.0), 1.0)
+    assert shares[2] == pytest.approx(10 / 12)
+
+
+def test_a_site_declaring_a_billion_images_does_not_take_the_mean(tmp_path, monkeypatch):
+    """Three sites of about 56 images; site-0 declares 10^9 at joining and in its replies. With the default
+    max-weight-over-median = 10 its share of the FedAvg mean is about 10/12, not 1: the mean still moves with the
+    others."""
+    from medflower.strategies.client import ClientHalf
+
+    lying_query, lying_reply = declaring_size(1e9)
+    monkeypatch.setattr(ClientHalf, "query", lying_query)
+    monkeypatch.setattr(ClientHalf, "reply", lying_reply)
+    seen = {}
+    original = FederatedStrategy.shares
+
+    def recording(self, weights):
+        seen["weights"], seen["shares"] = list(weights), original(self, weights)
+        return seen["shares"]
+
+    monkeypatch.setattr(FederatedStrategy, "shares", recording)
+    config = {**TINY, "num-rounds": 1, "output-dir": str(tmp_path), "run-name": "big"}
+    run_inprocess(config, 3)
+    weights = np.asarray(seen["weights"])
+    honest = np.sort(weights)[:2]
+    assert weights.max() == 1e9 and honest.max() < 100
+    bound = 10 * honest.max()  # the median of three is the larger honest size
+    assert max(seen["shares"]) == pytest.approx(bound / (bound + honest.sum())) and max(seen["shares"]) < 0.85
+    run_inprocess({**config, "run-name": "uncapped", "max-weight-over-median": 0.0}, 3)
+    assert max(seen["shares"]) > 1 - 1e-6
 
 
 def test_site_registry(tmp_path):

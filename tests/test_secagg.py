@@ -4,7 +4,7 @@ from its neighbours' shares, and bad settings are refused with the key and what 
 
 import numpy as np
 import pytest
-from conftest import records, run_dir_of
+from conftest import declaring_size, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ConfigError, ExperimentConfig
@@ -128,6 +128,24 @@ def test_a_round_left_with_two_sites_is_skipped_and_the_run_goes_on(tiny, monkey
     assert "secagg: round skipped: SecAgg+ needs at least 3 sites" in server[1]["failed"][0]
     first, second = _arrays(config, 1), _arrays(config, 2)
     assert all(np.array_equal(first[k], second[k]) for k in first)
+
+
+def test_a_site_declaring_a_billion_images_does_not_zero_the_honest_weights(tiny, monkeypatch):
+    """SecAgg+'s max_weight was the largest declared size: a site declaring 10^9 made every honest weight n/10^9
+    quantise to 0, and the secure mean was that site's update alone. With max_weight capped at
+    max-weight-over-median x the median, the secure mean equals the plain mean with the same cap."""
+    from medflower.strategies.client import ClientHalf
+
+    lying_query, lying_reply = declaring_size(1e9)
+    monkeypatch.setattr(ClientHalf, "query", lying_query)
+    monkeypatch.setattr(ClientHalf, "reply", lying_reply)
+    plain = tiny(**{"run-name": "liar-plain", "num-rounds": 1})
+    secure = tiny(**{"run-name": "liar-secure", "num-rounds": 1, "secagg": True})
+    run_inprocess(plain, num_nodes=3)
+    run_inprocess(secure, num_nodes=3)
+    a, b = _arrays(plain), _arrays(secure)
+    for k in a:
+        assert np.allclose(a[k], b[k], atol=2e-5), k
 
 
 def _first_only(condition):

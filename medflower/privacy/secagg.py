@@ -65,6 +65,7 @@ class SecureRoundError(RuntimeError):
 
 
 NAMES = "secagg-names"  # the training message's config entry naming the arrays, in order (FitIns has a list only)
+MAX_WEIGHT = "secagg-max-weight"  # the round's max_weight, so that a site's bridge caps its own weight at it
 
 
 # ----------------------------------------------------------------------------- the run config
@@ -187,7 +188,7 @@ def secure_mean_update(
     for node_id, content in contents.items():
         arrays = from_record(content["arrays"])
         names = list(arrays)
-        config = {**dict(content["config"]), NAMES: "\n".join(names)}
+        config = {**dict(content["config"]), NAMES: "\n".join(names), MAX_WEIGHT: float(weight_cap)}
         fitins[node_id] = FitIns(ndarrays_to_parameters(list(arrays.values())), config)
     proxies = {n: GridClientProxy(n, grid, 0) for n in fitins}
 
@@ -275,7 +276,7 @@ def _medflower_training(call_next):
         if len(names) != len(arrays):
             raise ValueError(f"secagg: the training message names {len(names)} arrays and carries {len(arrays)}")
         received = OrderedDict(zip(names, arrays))
-        config = {k: v for k, v in fitins.config.items() if k != NAMES}
+        config = {k: v for k, v in fitins.config.items() if k not in (NAMES, MAX_WEIGHT)}
         msg.content = RecordDict({"arrays": to_record(received), "config": ConfigRecord(config)})
         reply = call_next(msg, context)
         if reply.has_error():
@@ -285,7 +286,8 @@ def _medflower_training(call_next):
             raise ValueError("secagg: the site's reply does not update exactly the arrays it received")
         update = [np.asarray(sent[n], dtype=np.float32) - np.asarray(received[n], dtype=np.float32) for n in names]
         metrics = {k: v for k, v in reply.content["metrics"].items() if isinstance(v, (int, float))}
-        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), _count(metrics), metrics)
+        weight = _count(metrics, fitins.config.get(MAX_WEIGHT))
+        fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), weight, metrics)
         out = compat.fitres_to_recorddict(fitres, keep_input=True)
         out.config_records["info"] = reply.content["info"]
         return Message(out, reply_to=msg)
@@ -293,6 +295,11 @@ def _medflower_training(call_next):
     return bridge
 
 
-def _count(metrics: Mapping[str, Any]) -> int:
+def _count(metrics: Mapping[str, Any], max_weight: Any = None) -> int:
+    """The site's weight n_k for the masked sum: its num-examples, at least 1, and at most the round's max_weight
+    (Flower's mod would otherwise let a weight above it overflow the quantised sum)."""
     n = metrics.get("num-examples", 1)
-    return int(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 1 else 1
+    n = int(n) if isinstance(n, (int, float)) and math.isfinite(n) and n >= 1 else 1
+    if isinstance(max_weight, (int, float)) and math.isfinite(max_weight) and max_weight >= 1:
+        n = min(n, int(max_weight))
+    return n

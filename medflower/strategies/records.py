@@ -75,6 +75,16 @@ def capped_shares(weights: list[float] | np.ndarray, cap: float = 1.0) -> np.nda
     return shares
 
 
+def median_capped(weights: list[float] | np.ndarray, factor: float) -> np.ndarray:
+    """``weights`` with each one capped at ``factor`` × their median, when there are 3 or more and ``factor`` > 0
+    (with 2, the median is their mean and caps nothing a dishonest site declares, so they are left as they are)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if factor <= 0 or w.size < 3:
+        return w
+    median = float(np.median(w))
+    return np.minimum(w, factor * median) if median > 0 else w
+
+
 def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
     """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
     sizes = [int(np.prod(shape)) for shape, _ in spec.values()]

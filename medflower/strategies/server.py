@@ -31,6 +31,7 @@ from .records import (
     ArraySpec,
     capped_shares,
     derive_seed,
+    median_capped,
     record_bytes,
     spec_of,
     to_record,
@@ -410,8 +411,9 @@ class FederatedStrategy:
         return None
 
     def shares(self, weights: list[float] | np.ndarray) -> np.ndarray:
-        """Aggregation shares from the sites' weights, each capped at run-config max-client-share."""
-        return capped_shares(weights, self.cfg.max_client_share)
+        """Aggregation shares from the sites' weights: each weight capped at run-config max-weight-over-median ×
+        the median (3 or more sites), then each share at max-client-share (docs/reliability.md#aggregation-weights)."""
+        return capped_shares(median_capped(weights, self.cfg.max_weight_over_median), self.cfg.max_client_share)
 
     def client_name(self, node_id: int) -> str:
         info = self.nodes.get(node_id)
@@ -709,7 +711,10 @@ class FederatedStrategy:
             else:
                 self.stats.bytes_up += size
 
-        cap = max(self.nodes[n].num_train for n in contents if n in self.nodes)
+        # max_weight: the largest declared size, each capped at max-weight-over-median × the median (3+ sites), so
+        # that one site's declaration cannot shrink the honest weights below the quantisation's resolution
+        declared = [self.nodes[n].num_train for n in contents if n in self.nodes]
+        cap = float(max(median_capped(declared, self.cfg.max_weight_over_median)))
         try:
             mean, results = secure_mean_update(grid, rnd, contents, float(max(cap, 1)), self.cfg, count)
         except Exception as err:  # a round that cannot be secured, or the workflow failing: skipped, never the run
