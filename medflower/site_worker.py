@@ -167,15 +167,21 @@ def forward(message: Message, context: Context) -> Message:
     conn, spawn_s = _connect_or_spawn(paths, idle_seconds(context))
     identity = (TaskIdentity._task_id, context.run_id, context.node_id)
     name = message.metadata.message_type
+    no_reply = WorkerError(
+        f"the site's worker gave no reply to {name} within {timeout:.0f}s (node-config {TIMEOUT_KEY}); it was "
+        "stopped, and the next message starts a new one"
+    )
     try:
         with conn:
-            conn.send(("handle", message, context, identity, started + timeout))
-            if not conn.poll(max(1.0, started + timeout - time.time())):
+            # A worker that does not read blocks the send once the socket's buffer is full: it runs in a thread,
+            # bounded by the same deadline as the reply.
+            request = ("handle", message, context, identity, started + timeout)
+            sending = threading.Thread(target=_send_quietly, args=(conn, request), daemon=True)
+            sending.start()
+            sending.join(max(1.0, started + timeout - time.time()))
+            if sending.is_alive() or not conn.poll(max(1.0, started + timeout - time.time())):
                 _kill(paths)
-                raise WorkerError(
-                    f"the site's worker gave no reply to {name} within {timeout:.0f}s (node-config "
-                    f"{TIMEOUT_KEY}); it was stopped, and the next message starts a new one"
-                )
+                raise no_reply
             outcome = conn.recv()
     except (EOFError, OSError) as err:
         raise WorkerError(
@@ -201,6 +207,11 @@ def forward(message: Message, context: Context) -> Message:
     context.state = state
     content, error = payload
     return Message(error, reply_to=message) if error is not None else Message(content, reply_to=message)
+
+
+def _send_quietly(conn, request) -> None:
+    with contextlib.suppress(OSError, EOFError):  # the worker was stopped meanwhile: the reply wait says so
+        conn.send(request)
 
 
 @contextlib.contextmanager
