@@ -41,7 +41,7 @@ from .data.transforms import normalise
 from .models import ModelError, ModelSpec, build_model
 from .models.adapters import Bottleneck
 from .models.qk_delta import QKDelta
-from .trained import RunError, TrainedRun, with_site_model
+from .trained import RunError, TrainedRun, add_run_arguments, with_site_model
 
 FORMATS = ("safetensors", "torchscript", "onnx")
 METADATA_KEY = "medflower"  # the safetensors metadata entry holding how to rebuild the model
@@ -319,13 +319,7 @@ LOADERS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medflower.export", description=__doc__.split("\n")[0])
-    parser.add_argument("--run", required=True, help="the run folder (<output-dir>/<run-name>)")
-    parser.add_argument("--site", default=None, help="a site of the run (its name, or partition-<id>)")
-    parser.add_argument(
-        "--state-dir",
-        default=None,
-        help="the site's own state (a SuperNode's node-config state-dir), when not in --run",
-    )
+    add_run_arguments(parser)
     parser.add_argument("--format", required=True, choices=FORMATS, help="the file format")
     parser.add_argument("--out", required=True, help="the file to write (its card: <out>.json)")
     parser.add_argument("--card", default=None, help="where the card goes instead of <out>.json")

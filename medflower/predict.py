@@ -74,7 +74,7 @@ from .data.segfolder import (
 )
 from .data.volumes import _resized, case_name, find_cases
 from .models import ModelError
-from .trained import RunError, Site, TrainedRun, with_site_model
+from .trained import RunError, Site, TrainedRun, add_run_arguments, with_site_model
 from .training import DeviceError, autocast
 from .training.metrics import SegmentationScores, classification_metrics, segmentation_scores
 
@@ -589,13 +589,7 @@ def predict(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medflower.predict", description=__doc__.split("\n")[0])
-    parser.add_argument("--run", required=True, help="the run folder (<output-dir>/<run-name>)")
-    parser.add_argument("--site", default=None, help="a site of the run (its name, or partition-<id>)")
-    parser.add_argument(
-        "--state-dir",
-        default=None,
-        help="the site's own state (a SuperNode's node-config state-dir), when not in --run",
-    )
+    add_run_arguments(parser)
     parser.add_argument(
         "--images",
         required=True,

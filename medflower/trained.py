@@ -414,3 +414,14 @@ def with_site_model(
         )
         raise RunError(f"strategy {cfg.strategy!r} gave {name} no model to predict with or export: {why}")
     return results[0]
+
+
+def add_run_arguments(parser) -> None:
+    """The options that name a trained model: the run folder, the site, and the site's own state folder."""
+    parser.add_argument("--run", required=True, help="the run folder (<output-dir>/<run-name>)")
+    parser.add_argument("--site", default=None, help="a site of the run (its name, or partition-<id>)")
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="the site's own state (a SuperNode's node-config state-dir), when not in --run",
+    )

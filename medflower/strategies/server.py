@@ -126,6 +126,17 @@ class RoundStats:
     errors: dict[str, int] = field(default_factory=dict)  # error replies (the site raised) per message type
     extra: dict[str, Any] = field(default_factory=dict)  # method-specific fields of the round's server record
 
+    def counts(self) -> dict[str, Any]:
+        """The fields every server record carries: bytes each way and the failed and rejected sites."""
+        return {
+            "bytes_down": self.bytes_down,
+            "bytes_up": self.bytes_up,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "num_failed": len(self.failed),
+            "num_rejected": len(self.rejected),
+        }
+
 
 class FederatedStrategy:
     """Server half of a method; the default protocol is FedAvg-like rounds.
@@ -553,12 +564,7 @@ class FederatedStrategy:
             self.elapsed_s += round_s
             self.recorder.log_server(
                 rnd,
-                bytes_down=self.stats.bytes_down,
-                bytes_up=self.stats.bytes_up,
-                failed=self.stats.failed,
-                rejected=self.stats.rejected,
-                num_failed=len(self.stats.failed),
-                num_rejected=len(self.stats.rejected),
+                **self.stats.counts(),
                 aggregation_s=round(self.stats.aggregation_s, 4),
                 round_s=round(round_s, 3),
                 **self.stats.extra,
@@ -608,12 +614,7 @@ class FederatedStrategy:
         self.recorder.log_server(
             rnd,
             cross_site=True,
-            bytes_down=self.stats.bytes_down,
-            bytes_up=self.stats.bytes_up,
-            failed=self.stats.failed,
-            rejected=self.stats.rejected,
-            num_failed=len(self.stats.failed),
-            num_rejected=len(self.stats.rejected),
+            **self.stats.counts(),
             round_s=round(time.monotonic() - started, 3),
         )
         answered = {r.node_id for r in replies}
