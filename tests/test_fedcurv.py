@@ -278,8 +278,8 @@ def test_a_resumed_fedcurv_run_gets_its_fishers_back(tiny):
 def spy_exchange(monkeypatch, action: str) -> dict:
     seen, original = {}, fc.FedCurvLoRA.exchange
 
-    def spy(self, grid, message_type, contents, rnd, expect=None):
-        replies = original(self, grid, message_type, contents, rnd, expect)
+    def spy(self, grid, message_type, contents, rnd, *args, **kwargs):
+        replies = original(self, grid, message_type, contents, rnd, *args, **kwargs)
         if message_type == action:
             seen[rnd] = replies
         return replies

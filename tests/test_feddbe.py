@@ -126,7 +126,7 @@ def reply(arrays, n):
 
 def test_the_server_averages_the_first_rounds_means_once_and_fedavgs_the_model():
     server = FedDBE.__new__(FedDBE)
-    server.cfg = SimpleNamespace(max_client_share=1.0)
+    server.cfg = SimpleNamespace(max_client_share=1.0, max_weight_over_median=10.0)
     server.global_arrays = OrderedDict(w=np.zeros(2, np.float32))
     server.spec = {"w": ((2,), "float32")}
     server.dim, server.global_mean = 2, None

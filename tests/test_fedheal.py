@@ -19,7 +19,9 @@ from medflower.strategies.server import RoundStats
 def server(threshold=0.3, beta=0.4, theta=(1.0, 2.0, 3.0)):
     """A FedHEAL server half without a run around it: only what aggregate_train reads."""
     strategy = object.__new__(FedHEAL)
-    strategy.cfg = SimpleNamespace(fedheal_threshold=threshold, fedheal_beta=beta, max_client_share=1.0)
+    strategy.cfg = SimpleNamespace(
+        fedheal_threshold=threshold, fedheal_beta=beta, max_client_share=1.0, max_weight_over_median=10.0
+    )
     strategy.stats = RoundStats()
     strategy.global_arrays = OrderedDict(a=np.array(theta, np.float64))
     strategy.spec = spec_of(strategy.global_arrays)

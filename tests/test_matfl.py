@@ -37,7 +37,7 @@ def server(arrays, grouping="hard", groups=2, threshold=0.0, weights="uniform", 
     s.cfg = SimpleNamespace(
         matfl_grouping=grouping, matfl_groups=groups, matfl_threshold=threshold, matfl_weights=weights
     )
-    s.cfg.max_client_share = 1.0
+    s.cfg.max_client_share, s.cfg.max_weight_over_median = 1.0, 10.0
     s.stats = RoundStats()
     s.global_arrays = OrderedDict((k, np.array(v)) for k, v in arrays.items())
     s.spec = spec_of(s.global_arrays)
