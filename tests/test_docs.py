@@ -1,18 +1,21 @@
-"""The documentation stays honest: links and anchors resolve, the run-config page is generated from the code,
-every strategy has a page, and every documented command names only keys, strategies, modules and files that
-exist. Fast: no training, no Flower processes."""
+"""The documentation stays honest: links and anchors resolve, the run-config page, the README's methods table and
+docs/layout.md's module list are generated from the code, every default a page states is the code's, every strategy
+has a page, and every documented command names only keys, strategies, modules and files that exist. Fast: no
+training, no Flower processes."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 from flwr.common.config import parse_config_args
 
+from medflower import docpages
 from medflower.config import ConfigError, ExperimentConfig, all_options, defaults, run_config_markdown
 from medflower.strategies import STRATEGIES
 
@@ -143,6 +146,92 @@ def test_every_run_config_key_is_on_the_generated_page():
     missing = [o.key for o in all_options() if f"| `{o.key}` |" not in page]
     assert not missing, f"docs/run-config.md lacks {missing}: run `python -m medflower.config --write`"
     assert page == run_config_markdown(), "docs/run-config.md is stale: run `python -m medflower.config --write`"
+
+
+def table_cells(line: str) -> list[str]:
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def run_config_page_defaults() -> dict[str, str]:
+    """key -> its default as the generated docs/run-config.md writes it (a TOML value)."""
+    out = {}
+    for line in RUN_CONFIG_DOC.read_text().split("\n"):
+        if line.startswith("| `"):
+            key, default = table_cells(line)[:2]
+            out[key.strip("`")] = default[1:-1]
+    return out
+
+
+def stated_defaults(path: Path) -> list[tuple[int, str, str]]:
+    """(line, key, default) of every row of a table with a 'key' and a 'default' column. A row may name several
+    keys and as many defaults (`a`, `b` | `1`, `2`); code spans after those are comments (`0` (= `lr`))."""
+    found, header = [], None
+    for number, line in enumerate(split_fenced(path.read_text())[0].split("\n"), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = table_cells(line)
+        if header is None:
+            header = [cell.lower() for cell in cells]
+        elif "key" in header and "default" in header and not re.fullmatch(r"[-:| ]+", line):
+            keys = re.findall(r"`([\w-]+)`", cells[header.index("key")])
+            values = re.findall(r"`([^`]*)`", cells[header.index("default")])
+            if len(values) < len(keys):
+                found.append((number, ", ".join(keys), "<fewer defaults than keys>"))
+            found += [(number, key, value) for key, value in zip(keys, values)]
+    return found
+
+
+def toml_value(text: str):
+    """A default as written: a TOML value, or a bare word (pages may write `full` for 'full')."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def same_default(stated: str, code: str) -> bool:
+    a, b = toml_value(stated), toml_value(code)
+    number = lambda x: isinstance(x, int | float) and not isinstance(x, bool)
+    return (number(a) and number(b) and a == b) or (type(a) is type(b) and a == b)
+
+
+def test_every_default_a_page_states_is_the_codes():
+    """Method pages keep a table of their keys with defaults; each default must be the one docs/run-config.md
+    (generated from the code) lists, so a changed default cannot leave a page behind."""
+    code = run_config_page_defaults()
+    problems, checked = [], 0
+    for path in doc_files():
+        if path == RUN_CONFIG_DOC:
+            continue
+        for number, key, value in stated_defaults(path):
+            where = f"{path.relative_to(ROOT)}:{number}: `{key}`"
+            checked += 1
+            if key not in code:
+                problems.append(f"{where} is no run-config key")
+            elif not same_default(value, code[key]):
+                problems.append(f"{where} default `{value}`, the code's is `{code[key]}` (docs/run-config.md)")
+    assert not problems, "\n".join(problems)
+    assert checked >= 90, f"only {checked} stated defaults found: has the tables' layout changed?"
+
+
+def test_the_default_check_reads_multi_key_rows_and_refuses_a_wrong_default(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(
+        "| key | default | meaning |\n|---|---|---|\n| `lr`, `seed` | `0.003`, `0` | two |\n"
+        "| `head-lr` | `0` (= `lr`) | one |\n| `sift-variant` | `full` | a bare word |\n\n"
+        "| key | meaning |\n|---|---|\n| `lr` | no default column |\n"
+    )
+    stated = stated_defaults(page)
+    assert [(k, v) for _, k, v in stated] == [
+        ("lr", "0.003"),
+        ("seed", "0"),
+        ("head-lr", "0"),
+        ("sift-variant", "full"),
+    ]
+    code = run_config_page_defaults()
+    assert all(same_default(v, code[k]) for _, k, v in stated)
+    assert not same_default("0.01", code["lr"]) and not same_default("true", "1") and not same_default("'x'", "'y'")
 
 
 # ------------------------------------------------------------------------------------------------ 3. strategies
@@ -365,3 +454,66 @@ def test_docs_do_not_point_outside_the_repository():
     assert not problems, "\n".join(problems)
     bad = outside_pointers(ROOT / "docs" / "data.md", "see NOTES.md and `data-dir: ../../elsewhere/data`")
     assert len(bad) == 2 and "NOTES.md" in bad[0] and "leaves the repository" in bad[1]
+
+
+# ------------------------------------------------------------------------------------------- generated parts
+
+
+@pytest.mark.parametrize("path", list(docpages.GENERATED), ids=lambda p: p.name)
+def test_the_generated_methods_table_and_layout_are_up_to_date(path):
+    assert path.read_text() == docpages.rendered(path), (
+        f"{path.relative_to(ROOT)} is stale: run `python -m medflower.docpages --write`"
+    )
+
+
+def test_the_layout_names_every_module_of_the_package():
+    page = docpages.LAYOUT_DOC.read_text()
+    modules = sorted(p for p in (ROOT / "medflower").rglob("*.py") if p.name != "__init__.py")
+    missing = [str(p.relative_to(ROOT)) for p in modules if f"](../{p.relative_to(ROOT).as_posix()})" not in page]
+    assert not missing, f"docs/layout.md misses {missing}: run `python -m medflower.docpages --write`"
+
+
+def test_the_methods_table_has_one_row_per_strategy_from_its_docstring():
+    table = docpages.methods_table(STRATEGIES)
+    rows = [line for line in table.split("\n") if line.startswith("| [`")]
+    assert len(rows) == len(STRATEGIES)
+    fedavg = next(row for row in rows if row.startswith("| [`fedavg`]"))
+    assert "(docs/methods/baselines-fedavg-like.md#fedavg)" in fedavg and "FedAvg (McMahan et al. 2017)" in fedavg
+    assert "n_k" in fedavg  # its 'Leaves a site:' sentence
+
+
+def test_first_sentence_skips_abbreviations_and_asides():
+    assert (
+        docpages.first_sentence("DP-SGD (Abadi et al. 2016) with Opacus. More.")
+        == "DP-SGD (Abadi et al. 2016) with Opacus."
+    )
+    assert docpages.first_sentence("its gradients w.r.t. the K modules; e.g. this. Next") == (
+        "its gradients w.r.t. the K modules; e.g. this."
+    )
+    assert (
+        docpages.first_sentence("What every strategy shares, by concern:") == "What every strategy shares, by concern."
+    )
+    assert docpages.summary("FedKEI (docs/methods/fedkei.md; equations of the paper): tasks. More.") == (
+        "FedKEI (equations of the paper): tasks."
+    )
+    assert docpages.summary("Augmentation (run-config ``augment``, docs/data.md#augmentation), |x|.") == (
+        "Augmentation (run-config `augment`), \\|x\\|."
+    )
+
+
+def test_the_generator_finds_each_strategys_page_and_refuses_a_gap(tmp_path):
+    (tmp_path / "a.md").write_text("# A\n\n## Spec\n\n### `alpha`\n\n## Others\n\n| strategy |\n|---|\n| `beta` |\n")
+    (tmp_path / "b.md").write_text("# B\n\n```\n### `gamma` (in code, not a heading)\n```\n## B (`beta`)\n")
+    pages = docpages.strategy_pages(["alpha", "beta"], tmp_path)
+    assert (pages["alpha"][0].name, pages["alpha"][2]) == ("a.md", "alpha")
+    assert (pages["beta"][0].name, pages["beta"][2]) == ("b.md", "b-beta")  # a heading wins over a table row
+    with pytest.raises(docpages.DocPageError, match="gamma"):
+        docpages.strategy_pages(["gamma"], tmp_path)
+    (tmp_path / "c.md").write_text("## `alpha` again\n")
+    with pytest.raises(docpages.DocPageError, match="headings of"):
+        docpages.strategy_pages(["alpha"], tmp_path)
+    with pytest.raises(docpages.DocPageError, match="methods:start"):
+        docpages.replace_block("no markers", "methods", "body")
+    assert docpages.replace_block("a\n<!-- m:start -->\nold\n<!-- m:end -->\nb", "m", "new") == (
+        "a\n<!-- m:start -->\nnew\n<!-- m:end -->\nb"
+    )
