@@ -45,7 +45,7 @@ from ..data import make_loader
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..options import Option, non_negative, one_of
 from ..training import OptimizerSpec
-from ..training.loops import autocast
+from ..training.loops import StepLoss, train_epochs
 from ..training.losses import task_loss
 from .base import from_record, register_strategy, to_record
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
@@ -126,14 +126,6 @@ def frequency_interpolate(images: torch.Tensor, target: torch.Tensor, lam: torch
     return torch.fft.ifft2(torch.polar(amp, spectrum.angle()), norm="ortho").real
 
 
-@contextlib.contextmanager
-def nested(*managers):
-    with contextlib.ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
-
-
 def _stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
@@ -192,50 +184,41 @@ def episodic_steps(
     constant; ``second_order``: differentiated through. ``batches`` is iterated once per epoch. Returns the mean
     inner and outer losses and the number of steps.
 
-    ``train_epochs`` takes one loss at the model's own weights; the outer loss is at θ', so this is its own loop."""
-    device = torch.device(device)
-    model.to(device)
+    The episodic step is ``train_epochs``'s step hook: it returns L(θ; x) + L(θ'; x̃), which the loop checks,
+    backpropagates and steps on (its device, precision and bookkeeping). No DP-SGD (the method's ``dp_sgd`` stays
+    False): θ' moves by the whole batch's gradient, so one image changes the outer loss of every row, which
+    per-sample clipping does not bound."""
     params = OrderedDict((n, p) for n, p in model.named_parameters() if p.requires_grad)
     plist = list(params.values())
-    opt = optimizer.build(plist)
-    inner_sum, outer_sum, seen, steps = 0.0, 0.0, 0, 0
 
-    def forward():  # second order differentiates twice: torch's fused attention kernels cannot, its math one can
-        mode = autocast(device, precision)
-        return nested(mode, sdpa_kernel(SDPBackend.MATH)) if second_order else mode
+    def kernels():  # second order differentiates twice: torch's fused attention kernels cannot, its math one can
+        return sdpa_kernel(SDPBackend.MATH) if second_order else contextlib.nullcontext()
 
-    for epoch in range(1, epochs + 1):
-        model.train()  # after_epoch may have evaluated in eval mode
-        for x, y in batches:
-            x, y = x.to(device), y.to(device)
-            x_tilde = transform(x)
-            with forward():
-                inner = loss_fn(model(x), y)
-            grads = torch.autograd.grad(inner, plist, create_graph=second_order, retain_graph=True, allow_unused=True)
-            fast = {
-                name: p if g is None else p - inner_lr * g.clamp(-INNER_CLIP, INNER_CLIP)
-                for (name, p), g in zip(params.items(), grads)
-            }
-            with forward():
-                outer = loss_fn(functional_call(model, fast, (x_tilde,)), y)
-            total = inner + outer
-            if not math.isfinite(total.item()):
-                raise FloatingPointError(f"training loss became {total.item()} at step {steps}; lower lr")
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            opt.step()
-            inner_sum += inner.item() * len(y)
-            outer_sum += outer.item() * len(y)
-            seen += len(y)
-            steps += 1
-        if after_epoch is not None:
-            after_epoch(epoch)
-    opt.zero_grad(set_to_none=True)
-    return {
-        "train_loss": inner_sum / max(seen, 1),
-        "outer_loss": outer_sum / max(seen, 1),
-        "train_steps": float(steps),
-    }
+    def episodic_step(model: nn.Module, batch, opt, forward) -> StepLoss:
+        x, y = batch
+        x_tilde = transform(x)
+        with forward(), kernels():
+            inner = loss_fn(model(x), y)  # meta-train: L(θ; x)
+        grads = torch.autograd.grad(inner, plist, create_graph=second_order, retain_graph=True, allow_unused=True)
+        fast = {
+            name: p if g is None else p - inner_lr * g.clamp(-INNER_CLIP, INNER_CLIP)
+            for (name, p), g in zip(params.items(), grads)
+        }
+        with forward(), kernels():
+            outer = loss_fn(functional_call(model, fast, (x_tilde,)), y)  # meta-test: L(θ'; x̃)
+        return StepLoss(inner + outer, means={"train_loss": (inner, len(y)), "outer_loss": (outer, len(y))})
+
+    return train_epochs(
+        model,
+        batches,
+        epochs=epochs,
+        optimizer=optimizer,
+        device=torch.device(device),
+        after_epoch=after_epoch,
+        precision=precision,
+        step=episodic_step,
+        losses=("train_loss", "outer_loss"),
+    )
 
 
 # ----------------------------------------------------------------------------- client half

@@ -120,6 +120,11 @@ def inner_loop(
     """α <- α − η1 ∇_α L(θ̃(α)) over ``batches`` from α = 1/K, θ̃(α) = Σ_c α_c θ_c (Eqs. 5-6).
 
     With ``create_graph`` the steps stay differentiable w.r.t. ``clusters`` (which must require grad).
+
+    Not a ``train_epochs`` step hook: it steps α, not the model's parameters (their values come in through
+    ``loss_fn``), by plain α − η1·g, which torch's optimizers compute as a fused multiply-add (other last bits); with
+    ``create_graph`` every α is a node of the unrolled graph Eq. 9 differentiates, which an optimizer's in-place step
+    would cut; and the loss is float32 throughout, where the loop's ``precision='auto'`` would be bf16 on CUDA.
     """
     alphas = [
         torch.full((c.shape[0],), 1.0 / c.shape[0], dtype=c.dtype, device=c.device, requires_grad=True)

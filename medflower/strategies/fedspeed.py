@@ -12,19 +12,18 @@ takes their plain mean over the participating sites, x^{t+1} = (1/|S|)·Σ_{i∈
 weights). ĝ_i (zero before a site's first round) stays on the site, in its ``PersonalState`` (key ``fedspeed``), so a
 resumed run or a restarted site gets it back. ‖g1‖ is the norm over every trainable array together (the reference's).
 
-``train_epochs`` (medflower/training/loops.py) takes one loss per step and backpropagates it once; FedSpeed needs two
-gradients at two points per step and a correction on the gradient itself, so ``fedspeed_steps`` is its own small loop.
-The step is the run's optimizer fed with the corrected gradient: with ``optimizer='sgd' momentum=0 weight-decay=0``
-(SiFT's recipe) it is exactly line 11. BatchNorm running statistics (``adapter='full'``) have no gradient: no ĝ, no
-perturbation, x̂ = x_K for them, and the perturbed pass leaves them as the unperturbed pass set them. The method as
-implemented and its decisions: docs/methods/baselines.md#fedspeed.
+FedSpeed needs two gradients at two points per step and a correction on the gradient itself: ``fedspeed_steps`` is
+that step as the step hook of ``train_epochs`` (medflower/training/loops.py), which sets the corrected gradient and
+leaves the loop the optimizer step: the run's optimizer fed with the corrected gradient. With ``optimizer='sgd'
+momentum=0 weight-decay=0`` (SiFT's recipe) it is exactly line 11. BatchNorm running statistics (``adapter='full'``)
+have no gradient: no ĝ, no perturbation, x̂ = x_K for them, and the perturbed pass leaves them as the unperturbed pass
+set them. The method as implemented and its decisions: docs/methods/baselines.md#fedspeed.
 
 What leaves a site: x̂_i over the trainable arrays, and n_k. ĝ_i and x_K stay on the site.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 
@@ -37,7 +36,7 @@ from .. import profiling
 from ..models.arrays import is_running_statistic
 from ..options import Option, positive
 from ..training import OptimizerSpec
-from ..training.loops import autocast
+from ..training.loops import StepLoss, train_epochs
 from ..training.losses import task_loss
 from .base import ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, register_strategy, weighted_mean
 
@@ -94,52 +93,55 @@ def fedspeed_steps(
     """FedSpeed's local steps (Algorithm 1, lines 6-12) on ``params`` (name -> parameter of ``model``): each batch,
     the quasi-gradient g̃ = (1 − α)·g(x) + α·g(x + ρ·g(x)/‖g(x)‖), then the optimizer steps on
     g̃ − ĝ + (x − anchor)/λ. ``anchor`` is x^t and ``g_hat`` ĝ_i^{t−1}, both by name over ``params``. ``batches`` is
-    iterated once per epoch. Returns the mean loss at the unperturbed points and the number of steps."""
-    device = torch.device(device)
-    model.to(device)
+    iterated once per epoch. Returns the mean loss at the unperturbed points and the number of steps.
+
+    The step (lines 7-11) is ``train_epochs``'s step hook (the loop's device, precision, finite-loss check and
+    bookkeeping); it sets the corrected gradient itself. No DP-SGD (the method's ``dp_sgd`` stays False): the
+    perturbation ρ·g/‖g‖ is the whole batch's gradient, so one image moves the point y_k where every row's g2 is
+    taken, which per-sample clipping does not bound."""
     names = list(params)
     plist = [params[k] for k in names]
-    opt = optimizer.build(plist)
-    total, seen, steps = 0.0, 0, 0
 
-    def gradients(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def gradients(x, y, opt, forward) -> tuple[torch.Tensor, list[torch.Tensor]]:
         opt.zero_grad(set_to_none=True)
-        with autocast(device, precision):
+        with forward():
             loss = loss_fn(model(x), y)
         loss.backward()
         return loss.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in plist]
 
-    for _ in range(epochs):
-        model.train()
-        for x, y in batches:
-            x, y = x.to(device), y.to(device)
-            loss, g1 = gradients(x, y)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower lr")
-            quasi = g1
-            norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in g1)))
-            if rho > 0 and alpha > 0 and norm > 0:
-                at = [p.detach().clone() for p in plist]
-                buffers = [(b, b.detach().clone()) for b in model.buffers()]  # running statistics: the x_k pass's
-                with torch.no_grad():
-                    for p, g in zip(plist, g1):
-                        p.add_(g, alpha=rho / norm)
-                _, g2 = gradients(x, y)
-                with torch.no_grad():
-                    for p, v in zip(plist, at):
-                        p.copy_(v)
-                    for b, v in buffers:
-                        b.copy_(v)
-                quasi = [(1 - alpha) * a + alpha * b for a, b in zip(g1, g2)]
+    def speed_step(model: nn.Module, batch, opt, forward) -> StepLoss:
+        x, y = batch
+        loss, g1 = gradients(x, y, opt, forward)  # g1 = ∇f_i(x_k; ε) (line 7)
+        quasi = g1
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in g1)))
+        if rho > 0 and alpha > 0 and norm > 0:
+            at = [p.detach().clone() for p in plist]
+            buffers = [(b, b.detach().clone()) for b in model.buffers()]  # running statistics: the x_k pass's
             with torch.no_grad():
-                for k, p, g in zip(names, plist, quasi):
-                    p.grad = g + (p.detach() - anchor[k]) / lam - g_hat[k]
-            opt.step()
-            total += loss.item() * len(y)
-            seen += len(y)
-            steps += 1
-    opt.zero_grad(set_to_none=True)
-    return {"train_loss": total / max(seen, 1), "train_steps": float(steps)}
+                for p, g in zip(plist, g1):
+                    p.add_(g, alpha=rho / norm)  # y_k = x_k + ρ·g1/‖g1‖ (line 8)
+            _, g2 = gradients(x, y, opt, forward)  # g2 = ∇f_i(y_k; ε) (line 9)
+            with torch.no_grad():
+                for p, v in zip(plist, at):
+                    p.copy_(v)
+                for b, v in buffers:
+                    b.copy_(v)
+            quasi = [(1 - alpha) * a + alpha * b for a, b in zip(g1, g2)]  # g̃_k (line 10)
+        with torch.no_grad():
+            for k, p, g in zip(names, plist, quasi):
+                p.grad = g + (p.detach() - anchor[k]) / lam - g_hat[k]  # line 11's direction; the loop steps
+        return StepLoss(None, means={"train_loss": (loss, len(y))})
+
+    return train_epochs(
+        model,
+        batches,
+        epochs=epochs,
+        optimizer=optimizer,
+        device=torch.device(device),
+        param_groups=[{"params": plist}],
+        precision=precision,
+        step=speed_step,
+    )
 
 
 def dual_and_upload(

@@ -16,8 +16,8 @@ its personalised model, the meta-model after one inner step on a training batch 
 Eq. 3); ``auc_meta`` is the meta-model's own final AUC. The method as implemented and its decisions:
 docs/methods/baselines.md#per-fedavg-in-fedkeis-protocol.
 
-``train_epochs`` takes one loss per step; a meta-step needs a gradient at w̃ applied at w, so ``perfedavg_steps`` is
-its own small loop.
+A meta-step takes a gradient at w̃ and applies it at w: ``perfedavg_steps`` is that step as ``train_epochs``'s step
+hook, which sets the gradient itself and leaves the loop the optimizer step.
 
 What leaves a site: after each task its meta-model w_i^t (adapter + head) and n_i. What comes to a site: the pool mean
 (tasks t ≥ 2). Per task and client 2·|θ| (task 1: |θ|).
@@ -25,7 +25,6 @@ What leaves a site: after each task its meta-model w_i^t (adapter + head) and n_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 from ..data import make_loader
 from ..options import Option, positive
 from ..training import OptimizerSpec, evaluate
-from ..training.loops import autocast
+from ..training.loops import StepLoss, autocast, train_epochs
 from ..training.losses import task_loss
 from .base import register_strategy
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
@@ -66,52 +65,49 @@ def perfedavg_steps(
     """Per-FedAvg (FO) local steps on ``params`` (name -> parameter of ``model``): each chunk of rows is split into
     D (first half, rounded up) and D'; w̃ = w − α·∇f(w; D), then the optimizer (step β) steps w on ∇f(w̃; D').
     A chunk of one row is skipped (no D'). ``chunks`` is iterated once per epoch; ``after_epoch(e)`` runs after
-    epoch e. Returns the mean loss at w over D, the mean outer loss at w̃ over D', and the number of meta-steps."""
-    device = torch.device(device)
-    model.to(device)
+    epoch e. Returns the mean loss at w over D, the mean outer loss at w̃ over D', and the number of meta-steps.
+
+    The meta-step is ``train_epochs``'s step hook (the loop's device, precision, finite-loss check and bookkeeping);
+    it sets the gradient ∇f(w̃; D') at w itself. No DP-SGD (the method's ``dp_sgd`` stays False): w̃ moves by the
+    gradient of the whole of D, so one image of D changes the outer gradient of every row of D', which per-sample
+    clipping does not bound."""
     plist = list(params.values())
-    opt = optimizer.build(plist)
-    inner, outer, seen_inner, seen_outer, steps = 0.0, 0.0, 0, 0, 0
 
-    def gradient(x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
-        with autocast(device, precision):
+    def gradient(x: torch.Tensor, y: torch.Tensor, forward) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with forward():
             loss = loss_fn(model(x), y)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"training loss became {loss.item()} at meta-step {steps}; lower lr")
         grads = torch.autograd.grad(loss, plist, allow_unused=True)
-        return loss.item(), [torch.zeros_like(p) if g is None else g for p, g in zip(plist, grads)]
+        return loss.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(plist, grads)]
 
-    for epoch in range(1, epochs + 1):
-        model.train()  # after_epoch may have evaluated in eval mode
-        for x, y in chunks:
-            if len(y) < 2:
-                continue
-            x, y = x.to(device), y.to(device)
-            half = (len(y) + 1) // 2
-            at = [p.detach().clone() for p in plist]  # w
-            loss_w, g1 = gradient(x[:half], y[:half])
-            with torch.no_grad():
-                for p, g in zip(plist, g1):
-                    p.sub_(alpha * g)  # w̃ = w − α∇f(w; D)
-            loss_tilde, g2 = gradient(x[half:], y[half:])
-            with torch.no_grad():
-                for p, v, g in zip(plist, at, g2):
-                    p.copy_(v)  # back to w, then the outer step on ∇f(w̃; D')
-                    p.grad = g
-            opt.step()
-            inner += loss_w * half
-            outer += loss_tilde * (len(y) - half)
-            seen_inner += half
-            seen_outer += len(y) - half
-            steps += 1
-        if after_epoch is not None:
-            after_epoch(epoch)
-    opt.zero_grad(set_to_none=True)
-    return {
-        "train_loss": inner / max(seen_inner, 1),
-        "meta_loss": outer / max(seen_outer, 1),
-        "train_steps": float(steps),
-    }
+    def meta_step(model: nn.Module, batch, opt, forward) -> StepLoss | None:
+        x, y = batch
+        if len(y) < 2:
+            return None
+        half = (len(y) + 1) // 2
+        at = [p.detach().clone() for p in plist]  # w
+        loss_w, g1 = gradient(x[:half], y[:half], forward)
+        with torch.no_grad():
+            for p, g in zip(plist, g1):
+                p.sub_(alpha * g)  # w̃ = w − α∇f(w; D)
+        loss_tilde, g2 = gradient(x[half:], y[half:], forward)
+        with torch.no_grad():
+            for p, v, g in zip(plist, at, g2):
+                p.copy_(v)  # back to w, then the outer step on ∇f(w̃; D')
+                p.grad = g
+        return StepLoss(None, means={"train_loss": (loss_w, half), "meta_loss": (loss_tilde, len(y) - half)})
+
+    return train_epochs(
+        model,
+        chunks,
+        epochs=epochs,
+        optimizer=optimizer,
+        device=torch.device(device),
+        after_epoch=after_epoch,
+        param_groups=[{"params": plist}],
+        precision=precision,
+        step=meta_step,
+        losses=("train_loss", "meta_loss"),
+    )
 
 
 def personalise(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,50 @@ from .metrics import CONFUSION, SegmentationScores, classification_metrics, conf
 
 # A method's extra loss term: (model, logits, labels) -> scalar tensor (e.g. FedProx's proximal term).
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# ``train_epochs(step=...)``'s hook ``forward()``: the loop's precision (``autocast``) for forward passes and losses.
+Forward = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass
+class StepLoss:
+    """What one local step hands back to ``train_epochs``.
+
+    ``loss`` (+ ``extra``) is what the loop backpropagates before it steps the optimizer; ``loss`` None: the step has
+    set every ``p.grad`` itself and the loop only steps. ``extra`` is a term of the parameters alone (FedProx's
+    proximal term): DP-SGD adds its plain gradient to the noised one. ``means`` maps a name of ``train_epochs(losses)``
+    to (a mean loss, the rows it is a mean over); None: ``train_loss``, loss + extra over the batch's rows.
+    """
+
+    loss: torch.Tensor | None
+    extra: torch.Tensor | None = None
+    means: Mapping[str, tuple[torch.Tensor | float, int]] | None = None
+
+    def __post_init__(self):
+        if self.loss is None and (self.extra is not None or self.means is None):
+            raise ValueError("a step that sets its own gradients reports its losses in means, and no extra term")
+
+
+# One local step: (model, (x, y) on the device, optimizer, forward) -> StepLoss, or None to skip the batch (no step).
+# ``forward()`` is entered around forward passes and losses only, never around a backward.
+Step = Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor], torch.optim.Optimizer, Forward], StepLoss | None]
+
+
+def task_step(model: nn.Module, extra_loss: ExtraLoss | None = None) -> Step:
+    """``train_epochs``'s own step: the model's task loss (cross-entropy, or BCE + Dice for segmentation) plus
+    ``extra_loss(model, logits, y)``, backpropagated by the loop. The hook's model may be DP-SGD's wrapper of
+    ``model``; ``extra_loss`` gets ``model`` itself."""
+    task = getattr(model, "task", "classification")
+
+    def step(net: nn.Module, batch, opt, forward: Forward) -> StepLoss:
+        x, y = batch
+        with forward():
+            logits = net(x)
+            loss = task_loss(task, logits, y)
+            extra = extra_loss(model, logits, y) if extra_loss is not None else None
+        return StepLoss(loss, extra)
+
+    return step
 
 
 class DeviceError(RuntimeError):
@@ -92,9 +136,13 @@ class OptimizerSpec:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
 
 
+def _scalar(value: torch.Tensor | float) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else float(value)
+
+
 def train_epochs(
     model: nn.Module,
-    loader: torch.utils.data.DataLoader,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     epochs: int,
     optimizer: OptimizerSpec,
@@ -104,24 +152,43 @@ def train_epochs(
     param_groups: list[dict] | None = None,
     private: PrivateTraining | None = None,
     precision: str = "auto",
+    step: Step | None = None,
+    losses: tuple[str, ...] = ("train_loss",),
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
-    segmentation) plus ``extra_loss``; returns mean loss and steps.
+    segmentation) plus ``extra_loss``, or by ``step``; returns the mean losses and the number of steps.
 
+    Per batch the loop moves (x, y) to ``device``, calls the step, checks that every loss it returns is finite
+    (FloatingPointError before the optimizer steps), backpropagates its ``loss`` (+ ``extra``) unless the step set the
+    gradients itself, steps the optimizer, and adds each of the step's ``means`` to ``losses``'s row-weighted means.
+    The optimizer's gradients are cleared at the end.
+
+    ``step(model, (x, y), optimizer, forward) -> StepLoss | None`` (default ``task_step(model, extra_loss)``): one
+    local step (Per-FedAvg's meta-step, FedSpeed's, ELCFS's episodic one); ``forward()`` is ``autocast`` at
+    ``precision``, to enter around forward passes and losses; None skips the batch. ``losses`` names the means the
+    step reports, in the order they are returned, before ``train_steps``.
     ``after_epoch(e)`` runs after epoch e (1-based) with the optimizer state kept across epochs
     (a per-epoch evaluation, for example); it must leave the model's trainable parameters as they are.
     ``param_groups`` (torch's dicts, e.g. a learning rate per group) replaces "every parameter that requires grad".
-    ``private`` (run-config dp-sgd): DP-SGD steps on Poisson-sampled batches (medflower/privacy/dp_sgd.py).
+    ``private`` (run-config dp-sgd): DP-SGD steps on Poisson-sampled batches (medflower/privacy/dp_sgd.py), with the
+    task step only: per-sample clipping bounds one image's effect on a step only when the step is the gradient of a
+    sum of per-sample losses at the current parameters (plus a parameter-only term), which a hook does not promise.
     ``precision`` (run-config precision): ``autocast``'s mode for the forward pass and the losses.
     """
-    task = getattr(model, "task", "classification")
+    if private is not None and step is not None:
+        raise ValueError("DP-SGD trains by the task step only; a custom step's gradient is not a per-sample sum")
+    step = step or task_step(model, extra_loss)
     model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer.build(param_groups or params)
     net = model
     if private is not None:
         net, opt, loader = private.attach(model, opt, loader, device)
-    total, steps, seen = 0.0, 0, 0
+
+    def forward() -> contextlib.AbstractContextManager:
+        return autocast(device, precision)
+
+    sums, rows, steps = dict.fromkeys(losses, 0.0), dict.fromkeys(losses, 0), 0
     try:
         for epoch in range(1, epochs + 1):
             model.train()  # after_epoch may have evaluated in eval mode
@@ -137,28 +204,36 @@ def train_epochs(
                     steps += 1
                     continue
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with autocast(device, precision):
-                    logits = net(x)
-                    loss = task_loss(task, logits, y)
-                    extra = extra_loss(model, logits, y) if extra_loss is not None else None
-                whole = loss if extra is None else loss + extra
-                if not math.isfinite(whole.item()):
-                    raise FloatingPointError(f"training loss became {whole.item()} at step {steps}; lower lr")
+                out = step(net, (x, y), opt, forward)
+                if out is None:
+                    continue
+                whole = out.loss if out.extra is None else out.loss + out.extra
+                means = {"train_loss": (whole, len(y))} if out.means is None else out.means
+                if unknown := set(means) - set(sums):
+                    raise ValueError(f"the step reports {sorted(unknown)}; train_epochs(losses=) has {list(losses)}")
+                values = {name: _scalar(value) for name, (value, _) in means.items()}
+                for value in ([] if whole is None else [whole.item()]) + list(values.values()):
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"training loss became {value} at step {steps}; lower lr")
                 if private is not None:
-                    private.step(opt, loss, extra, params)
-                else:
+                    private.step(opt, out.loss, out.extra, params)
+                elif whole is not None:
                     opt.zero_grad(set_to_none=True)
                     whole.backward()
                     opt.step()
-                total += whole.item() * len(y)
-                seen += len(y)
+                else:  # the step has set the gradients
+                    opt.step()
+                for name, (_, n) in means.items():
+                    sums[name] += values[name] * n
+                    rows[name] += n
                 steps += 1
             if after_epoch is not None:
                 after_epoch(epoch)
+        opt.zero_grad(set_to_none=True)
     finally:
         if private is not None:
             private.close()
-    return {"train_loss": total / max(seen, 1), "train_steps": float(steps)}
+    return {**{name: sums[name] / max(rows[name], 1) for name in losses}, "train_steps": float(steps)}
 
 
 @torch.no_grad()
