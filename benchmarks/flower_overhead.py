@@ -305,9 +305,9 @@ def run_plain(config: dict[str, Any], num_clients: int) -> dict[str, Any]:
     import torch
 
     from medflower.config import ExperimentConfig, defaults
+    from medflower.contract import derive_seed, weighted_mean
     from medflower.data import describe_source, load_client_data, make_loader
     from medflower.models import build_classifier
-    from medflower.strategies.base import derive_seed, weighted_mean
     from medflower.training import OptimizerSpec, evaluate, pick_device, train_epochs
 
     wall_start = time.time()

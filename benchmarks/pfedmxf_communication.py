@@ -39,8 +39,8 @@ METHODS = (
 
 
 def measure(backbone: str, method: str, overrides: dict, sites: int, rounds: int, out: Path) -> dict:
+    from medflower.contract import _record_bytes
     from medflower.inprocess import run_inprocess
-    from medflower.strategies.base import _record_bytes
 
     strategy = method.split("-r")[0] if method.startswith("fedavg-lora-r") else method
     config = {

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def measure(run_dir: Path) -> dict:
     from medflower.config import ExperimentConfig, defaults
+    from medflower.contract import Checkpointer
     from medflower.models import build_model
     from medflower.models.qk_delta import qk_modules, spectral_delta
-    from medflower.strategies.base import Checkpointer
     from medflower.strategies.pfedmxf import FrequencyAllocator, conjugate, dense_spectrum
 
     config = json.loads((run_dir / "config.json").read_text())

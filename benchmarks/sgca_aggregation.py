@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._report import print_table, write_results  # noqa: E402
 from benchmarks.gpu_client import matmul_peak  # noqa: E402
 from medflower.config import ExperimentConfig  # noqa: E402
+from medflower.contract import Reply  # noqa: E402
 from medflower.results import RunRecorder  # noqa: E402
-from medflower.strategies.base import Reply  # noqa: E402
 from medflower.strategies.sgca import SGCA, adapter_distances, product_flops, sgca_weights  # noqa: E402
 
 

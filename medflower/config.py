@@ -13,26 +13,26 @@ import difflib
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from .data import PARTITIONS, SOURCE_KINDS, DataSpec, describe_source
+from .contract.registry import strategies_with, strategies_with_dp
+from .contract.server import FederatedStrategy
+from .contract.site_registry import SiteRegistry
+from .data import PARTITIONS, SOURCE_KINDS
 from .data.maskmap import parse_mask_values
 from .data.spec import (
     ARGLESS_KINDS,
-    SEGMENTATION_KINDS,
     parse_augment,
     parse_empty_slices,
     parse_intensity,
     unsupported_partition,
 )
 from .data.tasks import TASK_ORDERS
-from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES, ModelSpec, resolve_backbone
-from .models.backbones import backbone_family
+from .models import ADAPTERS, BACKBONE_ALIASES, WEIGHT_MODES
 from .models.build import MEDSAM_AUTO
 from .models.litemedsam import PROMPTS, img_size_problem
 from .models.normalisation import INPUT_NORMS
-from .models.unet import is_unet
+from .models.spec import is_unet
 from .options import (
     ConfigError,
     Option,
@@ -47,11 +47,9 @@ from .options import (
 )
 from .privacy import DP_OPTIONS, DP_SGD_OPTIONS, check_privacy_config
 from .privacy.secagg import SECAGG_OPTIONS, check_secagg_config
+from .settings import RunSettings, holds_masks
 from .strategies import STRATEGIES
-from .strategies.registry import strategies_with, strategies_with_dp
-from .strategies.server import FederatedStrategy
-from .strategies.site_registry import SiteRegistry
-from .tracking import TRACKING_KEYS, TRACKING_OPTIONS
+from .tracking import TRACKING_OPTIONS
 
 __all__ = ["ConfigError", "ExperimentConfig", "Option", "all_options", "defaults", "run_config_markdown"]
 
@@ -90,7 +88,7 @@ def _dataset_check(v: str) -> str | None:
 
 
 def _backbone_check(v: str) -> str | None:
-    from .models.unet import UNET_BACKBONES
+    from .models.spec import UNET_BACKBONES
 
     if v in BACKBONE_ALIASES or v in UNET_BACKBONES:
         return None
@@ -136,11 +134,6 @@ def _axis_check(v: int) -> str | None:
 def _seed_check(v: int) -> str | None:
     """numpy's legacy seeding (used by the data layer's libraries) takes 32-bit seeds only."""
     return None if 0 <= v < 2**32 else "must be in [0, 2**32)"
-
-
-def _holds_masks(dataset: str) -> bool:
-    """True for a segmentation source (masks, not class labels)."""
-    return dataset.split(":", 1)[0] in SEGMENTATION_KINDS
 
 
 GENERIC_OPTIONS: tuple[Option, ...] = (
@@ -463,36 +456,10 @@ def all_options() -> tuple[Option, ...]:
     return tuple(options.values())
 
 
-class ExperimentConfig:
-    """The validated run config, read-only: ``cfg.<key with '-' -> '_'>`` for every option of ``all_options()``."""
+class ExperimentConfig(RunSettings):
+    """The run config validated (``from_run_config``): the value of ``settings.py`` plus its assembly and checks."""
 
-    __slots__ = ("_values",)
-
-    def __init__(self, values: Mapping[str, Any]):
-        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
-
-    def __getattr__(self, attr: str) -> Any:
-        if not attr.startswith("_"):
-            try:
-                return self._values[attr.replace("_", "-")]
-            except KeyError:
-                pass
-        raise AttributeError(f"ExperimentConfig has no option {attr.replace('_', '-')!r}")
-
-    def __setattr__(self, attr: str, value: Any) -> None:
-        raise AttributeError("ExperimentConfig is read-only; build a new one with from_run_config")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ExperimentConfig) and dict(self._values) == dict(other._values)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._values.items())))
-
-    def __reduce__(self):
-        return ExperimentConfig, (dict(self._values),)
-
-    def __repr__(self) -> str:
-        return f"ExperimentConfig({dict(self._values)!r})"
+    __slots__ = ()
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any], *, check_paths: bool = True) -> ExperimentConfig:
@@ -505,13 +472,11 @@ class ExperimentConfig:
             close = difflib.get_close_matches(key, known, n=3)
             hint = f"did you mean {', '.join(close)}?" if close else "see docs/run-config.md"
             raise ConfigError(f"run-config key '{key}' is unknown: {hint}")
-        cfg = cls({o.key: o.value(run_config.get(o.key, o.default)) for o in options})
+        cfg = cls(
+            {o.key: o.value(run_config.get(o.key, o.default)) for o in options}, {o.key: o.default for o in options}
+        )
         cfg._check_cross_fields(check_paths)
         return cfg
-
-    @property
-    def strategy_class(self) -> type[FederatedStrategy]:
-        return STRATEGIES[self.strategy]
 
     def _check_cross_fields(self, check_paths: bool) -> None:
         if self.val_fraction + self.test_fraction >= 1:
@@ -520,13 +485,13 @@ class ExperimentConfig:
                 self.test_fraction,
                 f"val-fraction + test-fraction must be < 1 (val-fraction = {self.val_fraction})",
             )
-        if self.task == "classification" and _holds_masks(self.dataset):
+        if self.task == "classification" and holds_masks(self.dataset):
             raise bad(
                 "task",
                 self.task,
                 f"dataset {self.dataset!r} is a segmentation source; use task='auto' or 'segmentation'",
             )
-        if self.task == "segmentation" and self.dataset != "site" and not _holds_masks(self.dataset):
+        if self.task == "segmentation" and self.dataset != "site" and not holds_masks(self.dataset):
             raise bad(
                 "task",
                 self.task,
@@ -573,7 +538,7 @@ class ExperimentConfig:
                 f"strategy {self.strategy!r} exchanges adapters; the whole backbone trains "
                 f"only with {', '.join(strategies_with('trains_backbone'))}",
             )
-        tasks = {"segmentation" if _holds_masks(d) else "classification" for d in self.site_dataset_list}
+        tasks = {"segmentation" if holds_masks(d) else "classification" for d in self.site_dataset_list}
         if tasks and len(tasks | {self.model_task}) > 1 and not method.mixed_tasks:
             raise bad(
                 "site-datasets",
@@ -665,54 +630,6 @@ class ExperimentConfig:
         elif kind in PATH_DATASETS and kind != "csv" and not Path(arg).expanduser().is_dir():
             raise bad(key, dataset, f"folder {Path(arg).expanduser().resolve()} does not exist")
 
-    @property
-    def model_task(self) -> str:
-        """The resolved task: 'segmentation' or 'classification'."""
-        if self.task != "auto":
-            return self.task
-        return "segmentation" if _holds_masks(self.dataset) else "classification"
-
-    @property
-    def split_datasets(self) -> list[str]:
-        """The datasets the server splits over sites with ``partition`` (not 'site': each node holds its own)."""
-        return [d for d in dict.fromkeys(self.site_dataset_list or [self.dataset]) if d != "site"]
-
-    @property
-    def site_dataset_list(self) -> list[str]:
-        return [e.strip() for e in self.site_datasets.split(",") if e.strip()]
-
-    def site_dataset(self, partition_id: int, num_partitions: int) -> tuple[str, int, int]:
-        """(dataset, partition index, partitions) of a site: its ``site-datasets`` entry, split among the sites
-        with the same entry; else ``dataset`` split over all sites."""
-        entries = self.site_dataset_list
-        if not entries:
-            return self.dataset, partition_id, num_partitions
-        if len(entries) != num_partitions:
-            raise ConfigError(
-                f"run-config 'site-datasets' lists {len(entries)} datasets for {num_partitions} "
-                f"partitions; give one per partition id"
-            )
-        group = [p for p, entry in enumerate(entries) if entry == entries[partition_id]]
-        return entries[partition_id], group.index(partition_id), len(group)
-
-    @property
-    def class_name_list(self) -> list[str]:
-        """``class-names`` as a list (empty when unset)."""
-        return [n.strip() for n in self.class_names.split(",") if n.strip()]
-
-    @property
-    def declared_num_classes(self) -> int:
-        """The classes the run config declares: num-classes, else the length of class-names (only with dataset='site');
-        0 = read them from the source."""
-        return self.num_classes or len(self.class_name_list)
-
-    def server_class_names(self, num_classes: int) -> list[str]:
-        """The class names as the server sees them: with dataset='site', class-names, else indices (the names
-        live on the sites only)."""
-        if self.dataset == "site":
-            return self.class_name_list or [str(i) for i in range(num_classes)]
-        return describe_source(self.data_spec())[1]
-
     def _check_litemedsam(self) -> None:
         """LiteMedSAM's input size, and box prompts only where SAM's mask decoder segments with labelled masks."""
         if self.backbone == "litemedsam" and (why := img_size_problem(self.img_size)):
@@ -726,105 +643,6 @@ class ExperimentConfig:
                 f"box prompts feed SAM's mask decoder: they need backbone='litemedsam' and a segmentation dataset "
                 f"(backbone {self.backbone!r}, task {self.model_task!r})",
             )
-
-    # ----- views for the layers
-    def data_spec(self, **overrides: Any) -> DataSpec:
-        fields = dict(
-            dataset=self.dataset,
-            data_dir=self.data_dir,
-            partition=self.partition,
-            dirichlet_alpha=self.dirichlet_alpha,
-            pathological_k=self.pathological_k,
-            val_fraction=self.val_fraction,
-            test_fraction=self.test_fraction,
-            img_size=self.img_size,
-            seed=self.seed,
-            synthetic_size=self.synthetic_size,
-            use_source_splits=self.use_source_splits,
-            intensity=self.intensity,
-            slice_axis=self.slice_axis,
-            empty_slices=self.empty_slices,
-            mask_values=self.mask_values,
-            augment=self.augment,
-            qbli_classes=self.qbli_classes,
-            task_classes=self.task_classes,
-            classes_per_task=self.classes_per_task,
-        )
-        return DataSpec(**{**fields, **overrides})
-
-    def model_spec(self, class_names: list[str] | None = None) -> ModelSpec:
-        """The run's ModelSpec: the run config's backbone and adapter settings, then the fields the strategy
-        decides (its adapter, its head; a head encoding class texts needs the class names)."""
-        from .models.unet import ADAPTER as UNET_ADAPTER
-
-        targets = tuple(t.strip() for t in self.adapter_targets.split(",") if t.strip())
-        unet = is_unet(self.backbone)  # a U-Net baseline (models/unet.py): no timm name, no patches, adapter 'full'
-        fields: dict[str, Any] = dict(
-            backbone=self.backbone,
-            # the run config's default adapter ('lora') means unset; any other adapter is refused by ModelSpec
-            adapter=UNET_ADAPTER if unet and self.adapter == "lora" else self.adapter,
-            img_size=self.img_size,
-            patch_size=self.patch_size if not unet and backbone_family(resolve_backbone(self.backbone)) == "vit" else 0,
-            weights=self.backbone_weights,
-            lora_rank=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            adapter_targets=targets,
-            bottleneck_ratio=self.bottleneck_ratio,
-            seed=self.seed,
-            task=self.model_task,
-            sam_prompt=self.sam_prompt if self.model_task == "segmentation" else "whole-image",
-            input_norm=self.input_norm,
-        )
-        fields.update(self.strategy_class.model_fields(self, class_names or []))
-        fields["encoded_inputs"] = self.frozen_encoder_problem(fields["adapter"]) is None
-        return ModelSpec(**fields)
-
-    def frozen_encoder_problem(self, adapter: str | None = None) -> str | None:
-        """Why the frozen-encoder mode does not apply to this run (None: it does; docs/models.md#frozen-encoder-mode).
-        ``adapter``: the model's (a strategy may fix its own)."""
-        adapter = adapter or self.strategy_class.model_fields(self, []).get("adapter", self.adapter)
-        if self.frozen_encoder == "off":
-            return "frozen-encoder='off'"
-        if is_unet(self.backbone) or adapter != "none":
-            return (
-                f"adapter {adapter!r} trains inside the encoder (the mode needs adapter='none': head or decoder only)"
-            )
-        if self.augment:
-            return f"augment={self.augment!r} changes the images every step"
-        if self.strategy_class.reads_pixels:
-            return f"strategy {self.strategy!r} computes on the images themselves"
-        return None
-
-    @property
-    def frozen_encoder_mode(self) -> str:
-        """'on' or 'off': what the run does (run config ``frozen-encoder`` resolved)."""
-        return "off" if self.frozen_encoder_problem() else "on"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self._values)
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What must not change when a run resumes (everything but the length and paths)."""
-        loose = {
-            "num-rounds",
-            "num-tasks",
-            "resume-from",
-            "output-dir",
-            "run-name",
-            "round-timeout",
-            "node-wait-timeout",
-            "min-nodes",
-            "device",
-            "precision",
-            "data-dir",
-            "overwrite",
-            "keep-checkpoints",
-            "site-registry",
-            "site-figures",
-            "cross-site-evaluation",  # only what happens after the last round: a finished run may be resumed for it
-            *TRACKING_KEYS,
-        }
-        return {k: v for k, v in self.to_dict().items() if k not in loose}
 
 
 def defaults() -> dict[str, Any]:

@@ -44,7 +44,7 @@ def prepare(
     cfg = ExperimentConfig.from_run_config(full)
     if (why := cfg.frozen_encoder_problem()) is not None:
         raise ConfigError(f"this run config is not in the frozen-encoder mode ({why}); there is nothing to encode")
-    from .strategies.client import ClientRuntime
+    from .contract.client import ClientRuntime
 
     out = []
     for partition in range(1 if data_path else sites):

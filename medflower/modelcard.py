@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from .models.unet import is_unet
+from .models.spec import is_unet
 
 if TYPE_CHECKING:
     from .trained import Site, TrainedRun

@@ -44,8 +44,7 @@ from .data import DataSpec, load_client_data, make_loader
 from .models import build_model
 from .models.backbones import backbone_family, resolve_backbone
 from .models.errors import ModelError
-from .models.spec import ModelSpec
-from .models.unet import is_unet
+from .models.spec import ModelSpec, is_unet
 from .training.loops import OptimizerSpec, evaluate, train_epochs
 
 VIEWS = "crop:0.6,flip,rotate:15,jitter:0.4"  # SimCLR-style views from the training augmentation

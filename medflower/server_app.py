@@ -14,13 +14,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from .config import ConfigError, ExperimentConfig
+from .contract.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 from .data import describe_source
 from .data.partition import check_partition_supported
 from .models import build_model
 from .privacy import check_dp_sgd_model
 from .privacy.ledger import check_client_dp_model
 from .results import RunRecorder, safe_name
-from .strategies.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 from .tracking import open_tracking
 
 app = ServerApp()

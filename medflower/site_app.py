@@ -18,13 +18,13 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from .config import ExperimentConfig
+from .contract.client import ClientRuntime
 from .data.roots import site_reads
 from .privacy import privatise_train_reply, withhold_training_metrics
 from .privacy.policy import SitePolicy, check_before_training, record_after_training
 from .privacy.secagg import secagg_mod
-from .site_worker import SiteError
+from .site_errors import SiteError
 from .strategies import STRATEGIES
-from .strategies.client import ClientRuntime
 
 # SecAgg+ rounds (run-config secagg) go through Flower's secaggplus_mod; every other message passes the mod untouched.
 app = ClientApp(mods=[secagg_mod])

@@ -40,6 +40,7 @@ from pathlib import Path
 from flwr.app import Context, Message
 
 from . import profiling
+from .site_errors import SiteError
 
 WORKER_KEY = "site-worker"  # node-config: true (default) / false
 IDLE_KEY = "site-worker-idle"  # node-config: seconds without a message before the worker exits
@@ -50,10 +51,6 @@ CONNECT_TIMEOUT_S = 60.0  # a worker that cannot even accept a connection in thi
 STOP_GRACE_S = 30.0  # a worker still busy this long after a message's deadline exits by itself
 DIR_ENV = "MEDFLOWER_WORKER_DIR"
 SOCKET_PATH_MAX = 107  # sun_path of an AF_UNIX address on Linux, less its final NUL
-
-
-class SiteError(RuntimeError):
-    """What the server learns of a failure on a site (its message is all that leaves the site)."""
 
 
 class WorkerError(RuntimeError):

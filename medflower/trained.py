@@ -37,13 +37,13 @@ from flwr.app import Context, RecordDict
 from flwr.common.logger import log
 
 from .config import ConfigError, ExperimentConfig, all_options
+from .contract.checkpoint import Checkpointer, CheckpointError, PersonalState
+from .contract.client import ClientRuntime, _cached_model
+from .contract.server import NodeInfo
 from .data import DataError, describe_source, source_task
 from .models import ModelError
+from .records import from_record
 from .results import read_records, safe_name
-from .strategies.checkpoint import Checkpointer, CheckpointError, PersonalState
-from .strategies.client import ClientRuntime, _cached_model
-from .strategies.records import from_record
-from .strategies.server import NodeInfo
 
 T = TypeVar("T")
 PARTITION = re.compile(r"partition-(\d+)")

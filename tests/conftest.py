@@ -121,7 +121,7 @@ def site_runtime(tmp_path, strategy: str, **run_config):
     from flwr.app import Context, RecordDict
 
     from medflower.config import ExperimentConfig, defaults
-    from medflower.strategies.base import ClientRuntime
+    from medflower.contract import ClientRuntime
 
     cfg = ExperimentConfig.from_run_config({**defaults(), **TINY, "strategy": strategy, **run_config})
     node = {"partition-id": 0, "num-partitions": 2, "state-dir": str(tmp_path / "state")}
@@ -136,7 +136,7 @@ def send_to_site(runtime, half: type, kind: str, rnd: int, arrays):
 
     from flwr.app import ConfigRecord, RecordDict
 
-    from medflower.strategies.base import to_record
+    from medflower.contract import to_record
 
     message = SimpleNamespace(content=RecordDict({"arrays": to_record(arrays), "config": ConfigRecord({"round": rnd})}))
     runtime.config["round"] = rnd
@@ -146,7 +146,7 @@ def send_to_site(runtime, half: type, kind: str, rnd: int, arrays):
 
 def training_starts(monkeypatch) -> list:
     """The trainable arrays each ``ClientRuntime.train_local`` call starts from, in call order (filled as they run)."""
-    from medflower.strategies.base import ClientRuntime
+    from medflower.contract import ClientRuntime
 
     seen = []
     original = ClientRuntime.train_local
@@ -243,7 +243,7 @@ def tiny_litemedsam(tmp_path_factory) -> Path:
 def declaring_size(size: float):
     """The join reply of partition 0 declares ``size`` training images and its training replies count as many
     (a site lying about its size at joining, so that its count passes the declared-size check)."""
-    from medflower.strategies.client import ClientHalf
+    from medflower.contract.client import ClientHalf
 
     query, reply = ClientHalf.query, ClientHalf.reply
 

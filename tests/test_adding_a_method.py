@@ -11,9 +11,9 @@ import pytest
 from conftest import run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import Checkpointer
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "adding-a-method.md"
 MODULE = "medflower.strategies.fedavgm"

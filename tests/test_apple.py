@@ -10,12 +10,12 @@ import torch
 from conftest import TINY, extended_by_a_task, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import unflatten
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.options import ConfigError
 from medflower.strategies import apple as ap
 from medflower.strategies import fedkei_bilevel as bl
-from medflower.strategies.base import unflatten
 from medflower.strategies.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "apple", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}

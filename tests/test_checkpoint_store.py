@@ -19,16 +19,16 @@ from flwr.app import RecordDict
 from safetensors.numpy import save_file
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
-from medflower.inprocess import run_inprocess
-from medflower.server_app import prepare_run_folder
-from medflower.strategies import checkpoint as store
-from medflower.strategies.checkpoint import (
+from medflower.contract import checkpoint as store
+from medflower.contract.checkpoint import (
     Checkpointer,
     CheckpointError,
     PersonalState,
     resolve_checkpoint_dir,
     run_folder_of,
 )
+from medflower.inprocess import run_inprocess
+from medflower.server_app import prepare_run_folder
 
 
 def arrays_of(rnd: int) -> OrderedDict[str, np.ndarray]:
@@ -392,7 +392,7 @@ def test_same_named_runs_keep_their_own_site_state_and_a_resumed_run_finds_its_o
     """Sites with node-config state-dir key each run's state by its identity (kept in the checkpoint): a second run
     of the same name (another seed) in between neither prunes nor feeds the first, which resumes to the same
     personal models as an uninterrupted run."""
-    from medflower.strategies.server import FederatedStrategy
+    from medflower.contract.server import FederatedStrategy
 
     class Stop(Exception):
         pass

@@ -38,9 +38,9 @@ from conftest import INCREMENTAL, MIXED_TASKS, TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, Message
 from safetensors.numpy import load_file
 
+from medflower.contract import Checkpointer, ClientRuntime
 from medflower.inprocess import InProcessGrid, run_inprocess
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import Checkpointer, ClientRuntime
 
 NUM_NODES = 3
 NODE = {p: p + 1 for p in range(NUM_NODES)}  # InProcessGrid: node i + 1 holds partition i

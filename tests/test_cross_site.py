@@ -15,10 +15,10 @@ import pytest
 from conftest import TINY, records
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract.server import FederatedStrategy, scalar_metrics
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.server import FederatedStrategy, scalar_metrics
 
 SMALL = {**TINY, "backbone": "test_vit", "synthetic-size": 96, "num-rounds": 2, "batch-size": 16}
 NODES = 2

@@ -10,9 +10,9 @@ from flwr.app import Context, Message, RecordDict
 from PIL import Image
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract.client import ClientRuntime
 from medflower.data import DataError, DataSpec, check_data_roots, data_roots
 from medflower.data.roots import in_simulation
-from medflower.strategies.client import ClientRuntime
 
 NOT_SIMULATED = "names files on this site, but this SuperNode sets no node-config data-roots"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from medflower.contract import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.loopback import LoopbackFederation
-from medflower.strategies.base import Checkpointer
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ from conftest import records, run_dir_of
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import from_record
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.strategies import drift
-from medflower.strategies.base import from_record
 
 SGD = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05}
 
@@ -134,7 +134,7 @@ def test_drift_corrections_leave_batchnorm_statistics_to_a_plain_mean(tiny, monk
 
 
 def test_lr_decay_scales_each_rounds_learning_rate(tiny, monkeypatch):
-    from medflower.strategies import client
+    from medflower.contract import client
 
     seen = []
     original = client.train_epochs

@@ -14,12 +14,12 @@ from conftest import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_lo
 from flwr.app import Array, ConfigRecord, RecordDict
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record, to_record
 from medflower.data import make_loader
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
 from medflower.strategies import elcfs as el
-from medflower.strategies.base import from_record, to_record
 from medflower.training import OptimizerSpec
 
 TASKS = {"num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 16}

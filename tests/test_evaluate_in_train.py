@@ -16,13 +16,13 @@ import pytest
 from conftest import records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract.checkpoint import Checkpointer
+from medflower.contract.registry import strategies_with
+from medflower.contract.server import FederatedStrategy
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.results import read_records
 from medflower.strategies import STRATEGIES
-from medflower.strategies.checkpoint import Checkpointer
-from medflower.strategies.registry import strategies_with
-from medflower.strategies.server import FederatedStrategy
 
 FOLDING = sorted(strategies_with("folds_evaluation"))
 
@@ -154,7 +154,7 @@ def test_a_folded_run_resumed_after_a_crash_mid_round_equals_the_uninterrupted_r
 
 
 def test_a_training_reply_with_a_malformed_evaluation_is_rejected(tiny, monkeypatch):
-    from medflower.strategies.client import ClientHalf
+    from medflower.contract.client import ClientHalf
 
     original = ClientHalf.train_after_evaluating
 

@@ -26,9 +26,9 @@ from conftest import TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from test_contract import canonical, case_of, restart_processes, same_arrays
 
+from medflower.contract import Checkpointer
 from medflower.inprocess import InProcessGrid, run_inprocess
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import Checkpointer
 
 NUM_NODES = 3
 FAULTY = 1  # partition (node 2)

@@ -10,11 +10,11 @@ from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record, stack_flat, to_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import fedamp as fa
-from medflower.strategies.base import from_record, stack_flat, to_record
-from medflower.strategies.checkpoint import Checkpointer
 
 TASKS = {"strategy": "fedamp", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
 

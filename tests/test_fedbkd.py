@@ -322,7 +322,7 @@ def test_a_training_message_carries_what_the_server_decides_each_round_not_the_s
         assert not REMOVED_KEYS & set(config), f"{strategy}: {sorted(REMOVED_KEYS & set(config))} in the message"
         assert config["round"] == 1 and config["num-classes"] == 0 and config["model-classes"] == 0
     if strategy == "fedbkd":  # the site read fco-only from its run config: prefix neurons, μ_k still sent
-        from medflower.strategies.base import from_record
+        from medflower.contract import from_record
 
         for reply in answered:
             kept = from_record(reply.content["arrays"])["kept/" + FFN]

@@ -12,12 +12,12 @@ import torch
 from conftest import INCREMENTAL, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import from_record
+from medflower.contract.checkpoint import Checkpointer
+from medflower.contract.server import Reply
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.strategies import fedcurv as fc
-from medflower.strategies.base import from_record
-from medflower.strategies.checkpoint import Checkpointer
-from medflower.strategies.server import Reply
 
 TASKS = {"num-tasks": 3, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01}
 

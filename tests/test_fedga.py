@@ -12,11 +12,11 @@ from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import to_record
 from medflower.data import DataError
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import fedga as ga
-from medflower.strategies.base import to_record
 from medflower.strategies.knowledge_pool import safe_name
 
 TASKS = {"strategy": "fedga", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "fedga-rounds": 3}

@@ -12,10 +12,10 @@ import pytest
 from conftest import MIXED_TASKS, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import Checkpointer
 from medflower.inprocess import InProcessGrid, run_inprocess
 from medflower.models.ffn_slices import kept_count
 from medflower.strategies import fedhca2
-from medflower.strategies.base import Checkpointer
 from medflower.strategies.fedhca2 import (
     FedHCA2,
     SiteModel,

@@ -9,11 +9,11 @@ import pytest
 from conftest import TINY, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import spec_of
+from medflower.contract.server import RoundStats
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
-from medflower.strategies.base import spec_of
 from medflower.strategies.fedheal import FedHEAL, consistency_mask
-from medflower.strategies.server import RoundStats
 
 
 def server(threshold=0.3, beta=0.4, theta=(1.0, 2.0, 3.0)):

@@ -8,12 +8,12 @@ from conftest import records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record, unflatten
+from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.strategies import fedkei as fk
 from medflower.strategies import fedkei_bilevel as bl
-from medflower.strategies.base import from_record, unflatten
-from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}

@@ -11,10 +11,10 @@ from flwr.app import ConfigRecord, RecordDict
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import to_record
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import to_record
 from medflower.strategies.fedavg import PROXIMAL_MU
 from medflower.strategies.fedprox_init import FedProxInit, FedProxInitClient
 

@@ -13,11 +13,11 @@ from flwr.app import ConfigRecord, RecordDict
 from torch import nn
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record, to_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import from_record, to_record
-from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.fedra import (
     ALLOCATION,
     FedRA,

@@ -8,10 +8,10 @@ import pytest
 from conftest import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import from_record
 from medflower.strategies.fedsa import FedSA, FedSAClient, shared_names
 
 NAMES = [

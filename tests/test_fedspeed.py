@@ -12,10 +12,10 @@ from conftest import TINY, records, run_dir_of
 from flwr.app import ConfigRecord, Context, RecordDict
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import ClientRuntime, Reply, from_record, to_record
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import ClientRuntime, Reply, from_record, to_record
 from medflower.strategies.fedspeed import FedSpeed, FedSpeedClient, dual_and_upload, fedspeed_steps
 from medflower.training import OptimizerSpec
 
@@ -205,7 +205,7 @@ def test_it_is_registered_with_its_options():
 # ----------------------------------------------------------------------------- runs
 def test_without_the_perturbation_it_is_feddyn_with_alpha_one_over_lambda(tiny):
     """ρ = 0: the local objective, the dual update and the server step are FedDyn's (Acar et al.) with α = 1/λ."""
-    from medflower.strategies.checkpoint import Checkpointer
+    from medflower.contract.checkpoint import Checkpointer
 
     base = tiny(optimizer="sgd", momentum=0.0, lr=0.05, **{"num-rounds": 2})  # Adam would magnify float order
     dyn = {**base, "strategy": "feddyn", "feddyn-alpha": 0.05, "run-name": "dyn"}

@@ -9,11 +9,11 @@ from conftest import TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.base import from_record
-from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.ffa_lora import FFALoRA, FFALoRAClient, trained_names
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.05, "batch-size": 16}

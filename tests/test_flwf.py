@@ -9,14 +9,14 @@ from conftest import INCREMENTAL, TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import from_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.models import ModelSpec, build_model
 from medflower.models.qk_delta import qk_modules
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
 from medflower.strategies import flwf as lwf
-from medflower.strategies.base import from_record
-from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.incremental_heads import MaskedLogits, logit_mask
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.05, "batch-size": 32}

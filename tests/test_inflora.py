@@ -10,13 +10,13 @@ from conftest import INCREMENTAL, records, run_dir_of
 from test_contract import restart_processes
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import from_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.data import make_loader
 from medflower.inprocess import run_inprocess
 from medflower.models import ModelSpec, build_model
 from medflower.models.qk_delta import qk_modules
 from medflower.strategies import inflora as inf
-from medflower.strategies.base import from_record
-from medflower.strategies.checkpoint import Checkpointer
 from medflower.strategies.lora_merge import lora_product
 
 

@@ -462,8 +462,8 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
     encode.prepare({**run_config, "seed": 1}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
     assert sorted(cache.glob("*-encoded.npy")) == entries and [p.stat().st_mtime_ns for p in entries] == stamps
     # the cached rows are the eval-mode encoder's outputs of the split's images
+    from medflower.contract.client import model_inputs
     from medflower.data import load_client_data
-    from medflower.strategies.client import model_inputs
 
     cfg = ExperimentConfig.from_run_config(run_config)
     raw = load_client_data(cfg.data_spec(cache_dir=str(cache)), 0, 2)

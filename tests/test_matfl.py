@@ -11,11 +11,11 @@ import pytest
 from conftest import MIXED_TASKS, TINY, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import Checkpointer, spec_of
+from medflower.contract.server import RoundStats
 from medflower.inprocess import run_inprocess
 from medflower.strategies import matfl
-from medflower.strategies.base import Checkpointer, spec_of
 from medflower.strategies.matfl import MaTFL, MaTFLClient
-from medflower.strategies.server import RoundStats
 from medflower.strategies.submodel import HeteroFL, SubModelClient
 
 FFN = "backbone.blocks.0.mlp"

@@ -10,6 +10,8 @@ from conftest import INCREMENTAL, records, run_dir_of
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import from_record
+from medflower.contract.checkpoint import Checkpointer
 from medflower.data import DataSpec
 from medflower.data.partition import partition_rows
 from medflower.data.sources import open_source
@@ -20,8 +22,6 @@ from medflower.models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_d
 from medflower.strategies import incremental_heads as heads
 from medflower.strategies import lora_merge, spectral
 from medflower.strategies import pfedmxf as mx
-from medflower.strategies.base import from_record
-from medflower.strategies.checkpoint import Checkpointer
 
 
 def sent(grid, message_type: str, rnd: int):

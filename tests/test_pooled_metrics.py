@@ -13,10 +13,10 @@ from sklearn.metrics import accuracy_score, balanced_accuracy_score
 
 import medflower.strategies.fedavg as fedavg_module
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract import FederatedStrategy, Reply
 from medflower.experiments import main
 from medflower.inprocess import run_inprocess
 from medflower.results import RunRecorder
-from medflower.strategies.base import FederatedStrategy, Reply
 from medflower.training.metrics import CONFUSION, check_confusion, confusion_counts, pooled_metrics
 
 C = 4  # class 3 is predicted but never true: it has no support and is left out of the balanced accuracy

@@ -26,7 +26,7 @@ from medflower.privacy import (
 )
 from medflower.privacy.accounting import max_rounds_within, min_noise_within, planned_epsilon
 from medflower.privacy.dp_sgd import batches_per_epoch
-from medflower.strategies.records import from_record, to_record
+from medflower.records import from_record, to_record
 
 
 def _arrays(rng, scale=1.0):

@@ -177,7 +177,7 @@ def test_an_impossible_dp_sgd_epsilon_is_refused():
 
 
 def test_a_site_reporting_dp_sgd_epsilon_0_is_rejected_as_a_bad_reply(tiny, monkeypatch):
-    from medflower.strategies.client import ClientRuntime
+    from medflower.contract.client import ClientRuntime
 
     honest = ClientRuntime.account_dp_sgd
 
@@ -199,7 +199,7 @@ def test_a_round_redone_after_a_crash_counts_both_releases(tiny, monkeypatch):
     """Round 2's noised updates went out, then the server died before its checkpoint: the resumed run releases
     round 2 again, and the client-level ε composes 3 releases, not 2; resume-from an earlier round counts the
     rounds after it the same way."""
-    from medflower.strategies.server import FederatedStrategy
+    from medflower.contract.server import FederatedStrategy
 
     class Crash(Exception):
         pass

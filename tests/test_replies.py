@@ -1,4 +1,4 @@
-"""The one checking step every reply goes through (medflower/strategies/replies.py), the capped aggregation shares,
+"""The one checking step every reply goes through (medflower/contract/replies.py), the capped aggregation shares,
 the site registry, the guard that keeps a non-finite aggregate out of the model, and what a failing site sends.
 
 tests/test_fault_injection.py sends the same faults through the real ServerApp/ClientApp code for every strategy.
@@ -15,14 +15,14 @@ from conftest import TINY, declaring_size, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from medflower.config import ConfigError, defaults
+from medflower.contract.checkpoint import Checkpointer
+from medflower.contract.replies import NPY_HEADER, RejectedReply, check_reply, count_check
+from medflower.contract.server import FederatedStrategy
+from medflower.contract.site_registry import SiteRegistry
 from medflower.inprocess import run_inprocess
+from medflower.records import capped_shares, from_record, median_capped, record_bytes, to_record
 from medflower.site_app import SiteError, handle
 from medflower.strategies import STRATEGIES
-from medflower.strategies.checkpoint import Checkpointer
-from medflower.strategies.records import capped_shares, from_record, median_capped, record_bytes, to_record
-from medflower.strategies.replies import NPY_HEADER, RejectedReply, check_reply, count_check
-from medflower.strategies.server import FederatedStrategy
-from medflower.strategies.site_registry import SiteRegistry
 
 SPEC = {"w": ((2, 3), "float32"), "b": ((3,), "float32")}
 LIMIT = 1e6
@@ -225,7 +225,7 @@ def test_a_site_declaring_a_billion_images_does_not_take_the_mean(tmp_path, monk
     """Three sites of about 56 images; site-0 declares 10^9 at joining and in its replies. With the default
     max-weight-over-median = 10 its share of the FedAvg mean is about 10/12, not 1: the mean still moves with the
     others."""
-    from medflower.strategies.client import ClientHalf
+    from medflower.contract.client import ClientHalf
 
     lying_query, lying_reply = declaring_size(1e9)
     monkeypatch.setattr(ClientHalf, "query", lying_query)

@@ -110,7 +110,7 @@ def test_a_round_left_with_two_sites_is_skipped_and_the_run_goes_on(tiny, monkey
     """Three sites, then one leaves the federation: a 2-site round cannot be secured (each site would read the
     other's update from the new model, and Flower's workflow refuses 2 shares). The round is skipped with its
     reason, the model kept, and the run ends; before, the workflow's error stopped the whole run."""
-    from medflower.strategies.server import FederatedStrategy
+    from medflower.contract.server import FederatedStrategy
 
     original = FederatedStrategy.run_round
     left: list[bool] = []
@@ -134,7 +134,7 @@ def test_a_site_declaring_a_billion_images_does_not_zero_the_honest_weights(tiny
     """SecAgg+'s max_weight was the largest declared size: a site declaring 10^9 made every honest weight n/10^9
     quantise to 0, and the secure mean was that site's update alone. With max_weight capped at
     max-weight-over-median x the median, the secure mean equals the plain mean with the same cap."""
-    from medflower.strategies.client import ClientHalf
+    from medflower.contract.client import ClientHalf
 
     lying_query, lying_reply = declaring_size(1e9)
     monkeypatch.setattr(ClientHalf, "query", lying_query)

@@ -9,10 +9,10 @@ from conftest import records, run_dir_of
 from scipy.spatial.distance import cdist
 
 from medflower.config import ConfigError, ExperimentConfig
+from medflower.contract import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.models import lowest_adapter_names
 from medflower.strategies import sgca as sgca_module
-from medflower.strategies.base import Checkpointer
 from medflower.strategies.sgca import (
     adapter_distances,
     cosine_pull,

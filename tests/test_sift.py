@@ -12,10 +12,10 @@ import torch
 from conftest import records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract import Checkpointer, from_record
 from medflower.inprocess import InProcessGrid, run_inprocess
 from medflower.models import ModelError, build_model
 from medflower.models.text_head import encode_class_texts
-from medflower.strategies.base import Checkpointer, from_record
 from medflower.strategies.sift import LONG, SHORT, ema_update, split_pair
 from medflower.training.metrics import CONFUSION, pooled_metrics
 

@@ -9,9 +9,9 @@ from flwr.app import Context, RecordDict
 from PIL import Image
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
+from medflower.contract.client import ClientRuntime
 from medflower.data import DataError, DataSpec, SiteClasses, load_site_data, site_data_spec
 from medflower.inprocess import run_inprocess
-from medflower.strategies.client import ClientRuntime
 
 
 def write_site_npz(path: Path, n=(60, 12, 24), shift=0) -> Path:
@@ -235,7 +235,7 @@ def test_segmentation_sites_with_own_folders_run_sgca(tmp_path):
 def test_a_classification_site_in_a_segmentation_run_is_refused(tmp_path):
     from flwr.app import Context, RecordDict
 
-    from medflower.strategies.base import ClientRuntime
+    from medflower.contract import ClientRuntime
 
     site = write_site_npz(tmp_path / "s" / "pneumoniamnist.npz")
     cfg = ExperimentConfig.from_run_config({**defaults(), "dataset": "site", "task": "segmentation", "num-classes": 2})

@@ -12,9 +12,9 @@ from flwr.app import Context, RecordDict
 from PIL import Image
 
 from medflower.config import ExperimentConfig, defaults
+from medflower.contract.client import ClientRuntime
 from medflower.inprocess import run_inprocess
 from medflower.results import RunRecorder
-from medflower.strategies.client import ClientRuntime
 
 SEG = {"dataset": "synthetic-seg", "synthetic-size": 96, "site-figures": 4}
 

@@ -24,8 +24,8 @@ from flwr.app import Context, RecordDict
 
 from medflower import client_app, site_worker
 from medflower.inprocess import run_inprocess
+from medflower.records import from_record
 from medflower.strategies import STRATEGIES
-from medflower.strategies.records import from_record
 
 
 @pytest.fixture

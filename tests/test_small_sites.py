@@ -11,10 +11,10 @@ import pytest
 from conftest import TINY, records, run_dir_of
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
+from medflower.contract.client import ClientHalf
+from medflower.contract.replies import RejectedReply, check_reply
 from medflower.inprocess import run_inprocess
 from medflower.results import FEW_STEPS, RunRecorder, few_steps_message, loader_steps
-from medflower.strategies.client import ClientHalf
-from medflower.strategies.replies import RejectedReply, check_reply
 
 # 2 sites of 62 training samples (2 steps per epoch at batch-size 32); site-1's 2 validation samples are of one class
 SMALL = {**TINY, "synthetic-size": 160, "val-fraction": 0.02, "num-rounds": 2}

@@ -8,9 +8,9 @@ import torch
 from conftest import records, run_dir_of
 from safetensors.numpy import load_file
 
+from medflower.contract import validate_arrays, weighted_mean
 from medflower.inprocess import run_inprocess
 from medflower.strategies import fedavg as fedavg_module
-from medflower.strategies.base import validate_arrays, weighted_mean
 
 
 # ----------------------------------------------------------------------------- units

@@ -68,7 +68,7 @@ def hand_model(folder: Path, partition: int | None = None) -> torch.nn.Module:
 
 def site_test_split(folder: Path, partition: int):
     """(images, targets) of a site's test split: uint8 (S, S, 3) images and class labels or class-index masks."""
-    from medflower.strategies.client import ClientRuntime
+    from medflower.contract.client import ClientRuntime
 
     node = {"partition-id": partition, "num-partitions": 2}
     context = Context(run_id=0, node_id=partition + 1, node_config=node, state=RecordDict(), run_config={})

@@ -45,8 +45,9 @@ class Augmenter:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def __call__(self, images: torch.Tensor, masks: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, images: torch.Tensor, masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(images, masks) augmented; ``images`` float [B, C, H, W] in 0..255, ``masks`` int64 [B, H, W] or
         [B, K, H, W] of the images' size, or None (classification)."""
         if masks is not None and tuple(masks.shape[-2:]) != tuple(images.shape[-2:]):
@@ -88,19 +89,34 @@ def _steps(items: dict[str, float]) -> list:
     if "vflip" in items:
         steps.append(RandFlipd(prob=0.5, spatial_axis=0, **keys))
     if "rotate" in items:
-        steps.append(RandRotated(range_x=math.radians(items["rotate"]), prob=1.0, keep_size=True,
-                                 mode=("bilinear", "nearest"), padding_mode="zeros", **keys))
+        steps.append(
+            RandRotated(
+                range_x=math.radians(items["rotate"]),
+                prob=1.0,
+                keep_size=True,
+                mode=("bilinear", "nearest"),
+                padding_mode="zeros",
+                **keys,
+            )
+        )
     if "jitter" in items:
-        steps += [RandScaleIntensityd(keys=IMAGE, factors=items["jitter"], prob=1.0),
-                  RandScaleIntensityFixedMeand(keys=IMAGE, factors=items["jitter"], fixed_mean=True, prob=1.0)]
+        steps += [
+            RandScaleIntensityd(keys=IMAGE, factors=items["jitter"], prob=1.0),
+            RandScaleIntensityFixedMeand(keys=IMAGE, factors=items["jitter"], fixed_mean=True, prob=1.0),
+        ]
     return steps
 
 
 def _resize(size: tuple[int, int]):
     from monai.transforms import Resized
 
-    return Resized(keys=(IMAGE, MASK), spatial_size=size, mode=("bilinear", "nearest"), align_corners=(False, None),
-                   allow_missing_keys=True)
+    return Resized(
+        keys=(IMAGE, MASK),
+        spatial_size=size,
+        mode=("bilinear", "nearest"),
+        align_corners=(False, None),
+        allow_missing_keys=True,
+    )
 
 
 def _plain(tensor) -> torch.Tensor:

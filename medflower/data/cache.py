@@ -57,8 +57,13 @@ def cache_key(dataset: Dataset, spec: DataSpec) -> tuple | None:
     files = [getattr(dataset, name) for name in ("paths", "image_paths", "mask_paths") if hasattr(dataset, name)]
     if not files:
         return None
-    return (type(dataset).__name__, tuple(file_identity(f) for f in files), spec.img_size, spec.intensity,
-            spec.mask_values)
+    return (
+        type(dataset).__name__,
+        tuple(file_identity(f) for f in files),
+        spec.img_size,
+        spec.intensity,
+        spec.mask_values,
+    )
 
 
 def entry_digest(*identity) -> str:
@@ -173,8 +178,9 @@ class _Store:
                 self.images, self.masks = arrays["images"], arrays.get("masks")
                 return
             except OSError as exc:
-                warnings.warn(f"{self.folder}: decoded-image cache not written ({exc}); decoding in memory",
-                              stacklevel=3)
+                warnings.warn(
+                    f"{self.folder}: decoded-image cache not written ({exc}); decoding in memory", stacklevel=3
+                )
             finally:
                 for path in temporaries:
                     path.unlink(missing_ok=True)
@@ -222,8 +228,10 @@ def _temporary_name(path: Path) -> Path:
 def _checked(array, shape: tuple, i: int, what: str) -> np.ndarray:
     array = np.asarray(array)
     if array.shape != shape or array.dtype != np.uint8:
-        raise ValueError(f"item {i}: {what} of shape {array.shape} and dtype {array.dtype}; every item must be uint8 "
-                         f"of shape {shape} to be cached")
+        raise ValueError(
+            f"item {i}: {what} of shape {array.shape} and dtype {array.dtype}; every item must be uint8 "
+            f"of shape {shape} to be cached"
+        )
     return array
 
 

@@ -39,12 +39,14 @@ def load_client_data(spec: DataSpec, partition_id: int, num_partitions: int) -> 
         raise DataError(f"partition_id {partition_id} is out of range for {num_partitions} partitions")
     source = open_source(spec)
     partitioning = partition_rows(spec, num_partitions)
-    return split_rows(source, spec, partitioning.rows[partition_id], partition_id, num_partitions,
-                      partitioning.sites[partition_id])
+    return split_rows(
+        source, spec, partitioning.rows[partition_id], partition_id, num_partitions, partitioning.sites[partition_id]
+    )
 
 
-def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: int, num_partitions: int,
-               site: str | None) -> ClientData:
+def split_rows(
+    source: Source, spec: DataSpec, rows: np.ndarray, partition_id: int, num_partitions: int, site: str | None
+) -> ClientData:
     """``source``'s ``rows`` (one partition) split into train/val/test, seeded per partition.
 
     A source with groups is split by group, so no patient, case or video spans two splits
@@ -55,8 +57,14 @@ def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: i
     grouping = source_grouping(source, rows)  # refuses rows without a group, naming them
     groups = None if grouping is None else np.asarray(source.groups)[rows]
     try:
-        positions = split_client_rows(source.labels[rows], source_splits, spec.val_fraction, spec.test_fraction,
-                                      seed=spec.seed + partition_id, groups=groups)
+        positions = split_client_rows(
+            source.labels[rows],
+            source_splits,
+            spec.val_fraction,
+            spec.test_fraction,
+            seed=spec.seed + partition_id,
+            groups=groups,
+        )
     except DataError as exc:
         raise DataError(f"{source.name}: partition {partition_id} of {num_partitions}: {exc}") from exc
     sizes = ", ".join(f"{split} {len(p)}" for split, p in positions.items())
@@ -67,7 +75,8 @@ def split_rows(source: Source, spec: DataSpec, rows: np.ndarray, partition_id: i
                 remedies.append("use_source_splits=False")
             raise DataError(
                 f"{source.name}: partition {partition_id} of {num_partitions} has an empty {split} split "
-                f"({len(rows)} rows: {sizes}); try {', '.join(remedies[:-1])} or {remedies[-1]}")
+                f"({len(rows)} rows: {sizes}); try {', '.join(remedies[:-1])} or {remedies[-1]}"
+            )
     client_rows = source.dataset(rows, partition_id, spec)
     key = cache_key(client_rows, spec)
     if key is not None:  # files read lazily: decode them once, keep them on the site's disk (cache_dir)

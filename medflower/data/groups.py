@@ -45,8 +45,7 @@ THUMBNAIL = 32
 
 def natural_key(stem: str) -> tuple:
     """Sort key that orders the digit runs of ``stem`` by value: '2' < '10', 'a2' < 'a10'."""
-    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
-                 for part in re.split(r"(\d+)", stem) if part)
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", stem) if part)
 
 
 def frame_paths(folder: Path) -> list[Path]:
@@ -76,13 +75,14 @@ def frame_differences(thumbnails: np.ndarray, window: int = 1) -> np.ndarray:
     flat = np.asarray(thumbnails, dtype=np.float32).reshape(len(thumbnails), -1)
     out = np.empty(max(len(flat) - 1, 0))
     for i in range(len(out)):
-        before, after = flat[max(0, i + 1 - window):i + 1], flat[i + 1:i + 1 + window]
+        before, after = flat[max(0, i + 1 - window) : i + 1], flat[i + 1 : i + 1 + window]
         out[i] = np.abs(before[:, None] - after[None]).mean(axis=-1).min()
     return out
 
 
-def sequence_starts(differences: np.ndarray, threshold: float = DEFAULT_THRESHOLD,
-                    min_length: int = DEFAULT_MIN_LENGTH) -> list[int]:
+def sequence_starts(
+    differences: np.ndarray, threshold: float = DEFAULT_THRESHOLD, min_length: int = DEFAULT_MIN_LENGTH
+) -> list[int]:
     """Frame indices where a new sequence starts (0 first): frame i + 1 starts one when ``differences[i]`` exceeds
     ``threshold`` times the median difference. Strongest cuts first, a cut is kept only if every sequence it makes
     has at least ``min_length`` frames."""
@@ -99,8 +99,13 @@ def sequence_starts(differences: np.ndarray, threshold: float = DEFAULT_THRESHOL
     return kept[:-1]
 
 
-def sequence_groups(folder: Path, threshold: float = DEFAULT_THRESHOLD, min_length: int = DEFAULT_MIN_LENGTH,
-                    window: int = DEFAULT_WINDOW, size: int = THUMBNAIL) -> list[tuple[str, str]]:
+def sequence_groups(
+    folder: Path,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_length: int = DEFAULT_MIN_LENGTH,
+    window: int = DEFAULT_WINDOW,
+    size: int = THUMBNAIL,
+) -> list[tuple[str, str]]:
     """(stem, group) of every frame of ``folder`` in natural order; groups are named ``seq-<n>`` in frame order,
     ``n`` zero-padded to the width of the number of groups (``seq-01`` .. ``seq-14``)."""
     if threshold <= 0 or min_length < 1 or window < 1 or size < 2:
@@ -129,16 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m medflower.data.groups",
         description="Guess the video sequences of a folder of numbered frames (CVC-ClinicDB style) by cutting the "
-                    "frame order where consecutive frames differ strongly, and write groups.csv (stem,group). "
-                    "A heuristic: check the number of groups it prints.")
+        "frame order where consecutive frames differ strongly, and write groups.csv (stem,group). "
+        "A heuristic: check the number of groups it prints.",
+    )
     parser.add_argument("images", type=Path, help="folder of frames named in video order (1.png, 2.png, ...)")
     parser.add_argument("--out", type=Path, required=True, help="groups.csv to write (stem,group)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                        help="cut where a difference exceeds this many median differences (default %(default)s)")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                        help="frames compared on each side of a cut (default %(default)s; 1 = consecutive frames)")
-    parser.add_argument("--min-length", type=int, default=DEFAULT_MIN_LENGTH,
-                        help="fewest frames of a sequence (default %(default)s)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="cut where a difference exceeds this many median differences (default %(default)s)",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help="frames compared on each side of a cut (default %(default)s; 1 = consecutive frames)",
+    )
+    parser.add_argument(
+        "--min-length", type=int, default=DEFAULT_MIN_LENGTH, help="fewest frames of a sequence (default %(default)s)"
+    )
     parser.add_argument("--size", type=int, default=THUMBNAIL, help="thumbnail side in pixels (default %(default)s)")
     args = parser.parse_args(argv)
     try:
@@ -148,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     write_groups(rows, args.out)
     num_groups = len({group for _, group in rows})
-    print(f"{num_groups} group(s) found in {len(rows)} frame(s) of {args.images} (a heuristic: threshold "
-          f"{args.threshold} x median difference, window {args.window}, min length {args.min_length}); "
-          f"wrote {args.out}")
+    print(
+        f"{num_groups} group(s) found in {len(rows)} frame(s) of {args.images} (a heuristic: threshold "
+        f"{args.threshold} x median difference, window {args.window}, min length {args.min_length}); "
+        f"wrote {args.out}"
+    )
     return 0
 
 

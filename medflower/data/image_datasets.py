@@ -48,8 +48,15 @@ class ImageFileDataset(Dataset):
 
     task = "classification"
 
-    def __init__(self, paths: list[str], labels: np.ndarray, lines: np.ndarray, img_size: int,
-                 manifest: str, intensity: str = "auto") -> None:
+    def __init__(
+        self,
+        paths: list[str],
+        labels: np.ndarray,
+        lines: np.ndarray,
+        img_size: int,
+        manifest: str,
+        intensity: str = "auto",
+    ) -> None:
         self.paths = list(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
         self.lines = np.asarray(lines, dtype=np.int64)  # manifest line of each row, for messages
@@ -66,8 +73,14 @@ class ImageFileDataset(Dataset):
 
     def take(self, positions: np.ndarray) -> ImageFileDataset:
         """Subset at ``positions``."""
-        return ImageFileDataset([self.paths[p] for p in positions], self.labels[positions],
-                                self.lines[positions], self.img_size, self.manifest, self.intensity)
+        return ImageFileDataset(
+            [self.paths[p] for p in positions],
+            self.labels[positions],
+            self.lines[positions],
+            self.img_size,
+            self.manifest,
+            self.intensity,
+        )
 
 
 def read_rgb(path: str | Path, img_size: int, where: str | None = None, intensity: str = "auto") -> np.ndarray:
@@ -97,8 +110,7 @@ class SegArrayDataset(Dataset):
 
     def take(self, positions: np.ndarray) -> SegArrayDataset:
         """Subset at ``positions`` (copies the selected images and masks)."""
-        return SegArrayDataset(self.images[positions], self.masks[positions], self.labels[positions],
-                               self.img_size)
+        return SegArrayDataset(self.images[positions], self.masks[positions], self.labels[positions], self.img_size)
 
 
 class SegFileDataset(Dataset):
@@ -109,8 +121,15 @@ class SegFileDataset(Dataset):
 
     task = "segmentation"
 
-    def __init__(self, images: list[Path], masks: list[Path | tuple[Path, ...]], labels: np.ndarray, img_size: int,
-                 intensity: str = "auto", mask_map: MaskValueMap | None = None) -> None:
+    def __init__(
+        self,
+        images: list[Path],
+        masks: list[Path | tuple[Path, ...]],
+        labels: np.ndarray,
+        img_size: int,
+        intensity: str = "auto",
+        mask_map: MaskValueMap | None = None,
+    ) -> None:
         if not len(images) == len(masks) == len(labels):
             raise ValueError(f"{len(images)} images, {len(masks)} masks and {len(labels)} labels")
         self.image_paths, self.mask_paths = list(images), list(masks)
@@ -133,5 +152,11 @@ class SegFileDataset(Dataset):
 
     def take(self, positions: np.ndarray) -> SegFileDataset:
         """Subset at ``positions``."""
-        return SegFileDataset([self.image_paths[p] for p in positions], [self.mask_paths[p] for p in positions],
-                              self.labels[positions], self.img_size, self.intensity, self.mask_map)
+        return SegFileDataset(
+            [self.image_paths[p] for p in positions],
+            [self.mask_paths[p] for p in positions],
+            self.labels[positions],
+            self.img_size,
+            self.intensity,
+            self.mask_map,
+        )

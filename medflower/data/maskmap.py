@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .spec import DataError
+from .errors import DataError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -40,8 +40,10 @@ class MaskValueMap:
         listed = np.isin(found, self.values)
         if not listed.all():
             unexpected = ", ".join(_show(v) for v in found[~listed][:8])
-            raise DataError(f"{where}: mask value(s) {{{unexpected}}} are not in run-config mask-values "
-                            f"({self.text()}); values found: {{{', '.join(_show(v) for v in found[:12])}}}")
+            raise DataError(
+                f"{where}: mask value(s) {{{unexpected}}} are not in run-config mask-values "
+                f"({self.text()}); values found: {{{', '.join(_show(v) for v in found[:12])}}}"
+            )
         out = np.zeros((len(self.structures), *pixels.shape), dtype=np.uint8)
         for value, members in zip(self.values, self.members):
             if members:
@@ -52,8 +54,9 @@ class MaskValueMap:
 
     def text(self) -> str:
         """The map as written in the run config."""
-        return ",".join(f"{_show(v)}={'+'.join(self.structures[k] for k in sorted(m))}"
-                        for v, m in zip(self.values, self.members))
+        return ",".join(
+            f"{_show(v)}={'+'.join(self.structures[k] for k in sorted(m))}" for v, m in zip(self.values, self.members)
+        )
 
 
 def _show(value: float) -> str:
@@ -74,8 +77,9 @@ def parse_mask_values(text: str) -> MaskValueMap | None:
         except ValueError:
             value = float("nan")
         if not eq or not np.isfinite(value):
-            raise ValueError(f"{item!r} is not <value>=<structure>[+<structure>...] (an empty structure list "
-                             "for background)")
+            raise ValueError(
+                f"{item!r} is not <value>=<structure>[+<structure>...] (an empty structure list for background)"
+            )
         if value in values:
             raise ValueError(f"value {_show(value)} is listed twice")
         indices = set()

@@ -44,8 +44,9 @@ def partition_rows(spec: DataSpec, num_partitions: int) -> Partitioning:
         raise DataError(f"num_partitions must be >= 1, got {num_partitions}")
     check_partition_supported(spec)
     qbli = (spec.qbli_classes, spec.task_classes, spec.classes_per_task) if spec.partition == "qbli" else None
-    return _partition_cached(source_key(spec), spec.partition, spec.dirichlet_alpha,
-                             spec.pathological_k, spec.seed, num_partitions, qbli)
+    return _partition_cached(
+        source_key(spec), spec.partition, spec.dirichlet_alpha, spec.pathological_k, spec.seed, num_partitions, qbli
+    )
 
 
 def check_partition_supported(spec: DataSpec) -> None:
@@ -54,13 +55,22 @@ def check_partition_supported(spec: DataSpec) -> None:
     if why := unsupported_partition(spec.dataset, spec.partition):
         raise DataError(f"partition {spec.partition!r}: {why}")
     if spec.partition == "natural" and open_source_by_key(source_key(spec)).sites(1) is None:
-        raise DataError(f"dataset {spec.dataset!r}: partition 'natural' needs a site per row (a csv manifest "
-                        f"with a site column, a segfolder, or a synthetic source); this source has none")
+        raise DataError(
+            f"dataset {spec.dataset!r}: partition 'natural' needs a site per row (a csv manifest "
+            f"with a site column, a segfolder, or a synthetic source); this source has none"
+        )
 
 
 @lru_cache(maxsize=16)
-def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: int,
-                      num_partitions: int, qbli: tuple[int, str, int] | None = None) -> Partitioning:
+def _partition_cached(
+    key: tuple,
+    partition: str,
+    alpha: float,
+    k: int,
+    seed: int,
+    num_partitions: int,
+    qbli: tuple[int, str, int] | None = None,
+) -> Partitioning:
     import datasets  # heavy imports, deferred so that importing the package stays fast
 
     datasets.disable_progress_bars()  # one bar per partitioner call would flood the sites' logs
@@ -76,24 +86,27 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
         if partition == "natural":
             _check_group_sites(source, grouping, sites)
         if num_partitions > len(grouping.names):
-            raise DataError(f"{source.name}: cannot split {len(grouping.names)} group(s) (patients, cases or "
-                            f"videos; a group never spans two partitions) into {num_partitions} partitions")
+            raise DataError(
+                f"{source.name}: cannot split {len(grouping.names)} group(s) (patients, cases or "
+                f"videos; a group never spans two partitions) into {num_partitions} partitions"
+            )
         labels = grouping.labels(source.labels)
         if sites is not None:
             sites = sites[grouping.first_rows]
-    table = datasets.Dataset.from_dict({
-        "index": np.arange(len(labels)),
-        "label": labels,
-        "site": sites if sites is not None else np.full(len(labels), ""),
-    })
+    table = datasets.Dataset.from_dict(
+        {
+            "index": np.arange(len(labels)),
+            "label": labels,
+            "site": sites if sites is not None else np.full(len(labels), ""),
+        }
+    )
     if partition != "natural":
         # Partitioners hand out rows of a class in table order; shuffling first keeps a
         # partition from being, e.g., all of a source's official train rows and none of its test rows.
         table = table.shuffle(seed=seed).flatten_indices()
     try:
         if partition == "qbli":
-            rows = _qbli_rows(table, task_groups(source.class_names, qbli[1], qbli[2]), qbli[0],
-                              num_partitions, seed)
+            rows = _qbli_rows(table, task_groups(source.class_names, qbli[1], qbli[2]), qbli[0], num_partitions, seed)
         elif partition == "dirichlet":
             partitioner = _dirichlet(table, num_partitions, alpha, seed)
         else:
@@ -102,8 +115,9 @@ def _partition_cached(key: tuple, partition: str, alpha: float, k: int, seed: in
         if partition != "qbli":
             rows = tuple(_rows_of(partitioner, p) for p in range(num_partitions // parts_per_site))
     except ValueError as exc:
-        raise DataError(f"{source.name}: cannot make a {partition!r} partitioning into "
-                        f"{num_partitions} partitions: {exc}") from exc
+        raise DataError(
+            f"{source.name}: cannot make a {partition!r} partitioning into {num_partitions} partitions: {exc}"
+        ) from exc
     if partition == "natural":
         site_names = tuple(partitioner.partition_id_to_natural_id[p] for p in range(len(rows)))
         if parts_per_site > 1:  # cut per site before groups expand to rows: a group stays in one part
@@ -125,9 +139,13 @@ def _partitioner(partition: str, num_partitions: int, k: int, seed: int) -> Part
     if partition == "pathological":
         # first-deterministic: partition p surely holds class p % num_classes, so no class
         # goes unused when there are at least as many partitions as classes
-        return PathologicalPartitioner(num_partitions=num_partitions, partition_by="label",
-                                       num_classes_per_partition=k, seed=seed,
-                                       class_assignment_mode="first-deterministic")
+        return PathologicalPartitioner(
+            num_partitions=num_partitions,
+            partition_by="label",
+            num_classes_per_partition=k,
+            seed=seed,
+            class_assignment_mode="first-deterministic",
+        )
     return NaturalIdPartitioner(partition_by="site")
 
 
@@ -136,13 +154,14 @@ def task_groups(class_names: list[str], task_classes: str, classes_per_task: int
     from .tasks import parse_task_classes
 
     order = parse_task_classes(task_classes, class_names)
-    groups = [order[i:i + classes_per_task] for i in range(0, len(order), classes_per_task)]
+    groups = [order[i : i + classes_per_task] for i in range(0, len(order), classes_per_task)]
     rest = [c for c in range(len(class_names)) if c not in order]
     return groups + ([rest] if rest else [])
 
 
-def _qbli_rows(table: datasets.Dataset, groups: list[list[int]], k: int, num_partitions: int,
-               seed: int) -> tuple[np.ndarray, ...]:
+def _qbli_rows(
+    table: datasets.Dataset, groups: list[list[int]], k: int, num_partitions: int, seed: int
+) -> tuple[np.ndarray, ...]:
     """Quantity-based label imbalance per task (NIID-bench's #C=k within each group of classes).
 
     For every group, flwr-datasets' PathologicalPartitioner gives each partition ``k`` of the group's classes
@@ -159,8 +178,12 @@ def _qbli_rows(table: datasets.Dataset, groups: list[list[int]], k: int, num_par
         if positions.size == 0:
             continue
         partitioner = PathologicalPartitioner(
-            num_partitions=num_partitions, partition_by="label", num_classes_per_partition=min(k, len(group)),
-            class_assignment_mode="first-deterministic", seed=seed + g)
+            num_partitions=num_partitions,
+            partition_by="label",
+            num_classes_per_partition=min(k, len(group)),
+            class_assignment_mode="first-deterministic",
+            seed=seed + g,
+        )
         partitioner.dataset = table.select(positions)
         for p in range(num_partitions):
             parts[(p + g) % num_partitions].append(_rows_of(partitioner, p))
@@ -183,13 +206,19 @@ def _dirichlet(table: datasets.Dataset, num_partitions: int, alpha: float, seed:
         return _sampled_dirichlet(table, num_partitions, alpha, seed, 0)
 
 
-def _sampled_dirichlet(table: datasets.Dataset, num_partitions: int, alpha: float, seed: int,
-                       min_size: int) -> Partitioner:
+def _sampled_dirichlet(
+    table: datasets.Dataset, num_partitions: int, alpha: float, seed: int, min_size: int
+) -> Partitioner:
     from flwr_datasets.partitioner import DirichletPartitioner
 
     partitioner = DirichletPartitioner(
-        num_partitions=num_partitions, partition_by="label", alpha=alpha, seed=seed,
-        min_partition_size=min_size, self_balancing=False)
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=alpha,
+        seed=seed,
+        min_partition_size=min_size,
+        self_balancing=False,
+    )
     partitioner.dataset = table
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one warning per failed resampling attempt
@@ -203,8 +232,9 @@ def _rows_of(partitioner: Partitioner, partition_id: int) -> np.ndarray:
     return rows
 
 
-def _split_sites(rows: tuple[np.ndarray, ...], names: tuple[str, ...], parts: int,
-                 seed: int) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
+def _split_sites(
+    rows: tuple[np.ndarray, ...], names: tuple[str, ...], parts: int, seed: int
+) -> tuple[tuple[np.ndarray, ...], tuple[str, ...]]:
     """Each natural site's rows (or groups) cut at random into ``parts`` near-equal partitions named
     ``<site>-1`` .. ``<site>-<parts>``, in site order: alike sites made from one source."""
     out_rows, out_names = [], []
@@ -221,22 +251,34 @@ def _split_sites(rows: tuple[np.ndarray, ...], names: tuple[str, ...], parts: in
 def _check_natural_sites(source: Source, sites: np.ndarray | None, num_partitions: int) -> int:
     """Partitions per natural site: num_partitions must be the number of sites or a multiple of it."""
     if sites is None:
-        raise DataError(f"{source.name}: partition 'natural' needs a site per row (a csv manifest "
-                        f"with a site column, a segfolder, or a synthetic source); this source has none")
+        raise DataError(
+            f"{source.name}: partition 'natural' needs a site per row (a csv manifest "
+            f"with a site column, a segfolder, or a synthetic source); this source has none"
+        )
     blank = np.flatnonzero(sites == "")
     if blank.size:
-        raise DataError(f"{source.name}: partition 'natural' needs a site in every row; "
-                        f"{blank.size} row(s) have none: " + list_rows([source.row_name(r) for r in blank]))
+        raise DataError(
+            f"{source.name}: partition 'natural' needs a site in every row; "
+            f"{blank.size} row(s) have none: " + list_rows([source.row_name(r) for r in blank])
+        )
     found = sorted(set(sites.tolist()))
     if num_partitions % len(found):
-        raise DataError(f"{source.name}: partition 'natural' needs num_partitions equal to the number "
-                        f"of sites or a multiple of it (each site cut into equal parts), but "
-                        f"num_partitions={num_partitions} and {len(found)} site(s) were found: {list_rows(found)}")
+        raise DataError(
+            f"{source.name}: partition 'natural' needs num_partitions equal to the number "
+            f"of sites or a multiple of it (each site cut into equal parts), but "
+            f"num_partitions={num_partitions} and {len(found)} site(s) were found: {list_rows(found)}"
+        )
     return num_partitions // len(found)
 
 
-def split_client_rows(labels: np.ndarray, source_splits: np.ndarray | None, val_fraction: float,
-                      test_fraction: float, seed: int, groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def split_client_rows(
+    labels: np.ndarray,
+    source_splits: np.ndarray | None,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    groups: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
     """Positions (into ``labels``) of train/val/test; rows with a source split keep it.
 
     Rows without one are split seeded and stratified by label where sklearn can
@@ -253,19 +295,16 @@ def split_client_rows(labels: np.ndarray, source_splits: np.ndarray | None, val_
     rest, test = _hold_out(free, labels, test_fraction, seed)
     train, val = _hold_out(rest, labels, val_fraction / (1 - test_fraction), seed)
     drawn = {"train": train, "val": val, "test": test}
-    return {split: np.sort(np.concatenate([positions[source_splits == split], drawn[split]]))
-            for split in SPLITS}
+    return {split: np.sort(np.concatenate([positions[source_splits == split], drawn[split]])) for split in SPLITS}
 
 
-def _hold_out(positions: np.ndarray, labels: np.ndarray, fraction: float,
-              seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _hold_out(positions: np.ndarray, labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) with ceil(fraction * n) held out, leaving at least one row kept."""
     num_held = min(math.ceil(fraction * len(positions)), len(positions) - 1)
     if num_held <= 0:
         return positions, positions[:0]
     try:
-        return tuple(train_test_split(positions, test_size=num_held, random_state=seed,
-                                      stratify=labels[positions]))
+        return tuple(train_test_split(positions, test_size=num_held, random_state=seed, stratify=labels[positions]))
     except ValueError:  # a class with fewer than 2 rows, or fewer held-out rows than classes
         return tuple(train_test_split(positions, test_size=num_held, random_state=seed))
 
@@ -292,8 +331,9 @@ class Grouping:
 
     def labels(self, labels: np.ndarray) -> np.ndarray:
         """The majority label of each group's rows (the smallest label on a tie)."""
-        pairs, counts = np.unique(np.stack([self.of_row, np.asarray(labels, dtype=np.int64)]), axis=1,
-                                  return_counts=True)
+        pairs, counts = np.unique(
+            np.stack([self.of_row, np.asarray(labels, dtype=np.int64)]), axis=1, return_counts=True
+        )
         order = np.lexsort((pairs[1], -counts, pairs[0]))  # by group, then most rows, then smallest label
         group = pairs[0][order]
         first = np.r_[True, group[1:] != group[:-1]]
@@ -315,10 +355,12 @@ def source_grouping(source: Source, rows: np.ndarray | None = None) -> Grouping 
     groups = np.asarray(source.groups, dtype=str)[rows]
     blank = np.flatnonzero(groups == "")
     if blank.size:
-        raise DataError(f"{source.name}: group column missing for some rows: the source names the patient, case "
-                        f"or video of its rows, but {blank.size} row(s) have none: "
-                        + list_rows([source.row_name(r) for r in rows[blank]])
-                        + "; give every row its group")
+        raise DataError(
+            f"{source.name}: group column missing for some rows: the source names the patient, case "
+            f"or video of its rows, but {blank.size} row(s) have none: "
+            + list_rows([source.row_name(r) for r in rows[blank]])
+            + "; give every row its group"
+        )
     return Grouping.of(groups)
 
 
@@ -327,20 +369,32 @@ def _check_group_sites(source: Source, grouping: Grouping, sites: np.ndarray) ->
     pairs = np.unique(np.stack([grouping.of_row, np.unique(sites, return_inverse=True)[1].reshape(-1)]), axis=1)
     spanning = np.unique(pairs[0][np.r_[pairs[0][1:] == pairs[0][:-1], False]])
     if spanning.size:
-        described = [f"{str(grouping.names[g])!r} in sites "
-                     + ", ".join(sorted(set(sites[grouping.of_row == g].tolist()))) for g in spanning]
-        raise DataError(f"{source.name}: partition 'natural': {spanning.size} group(s) have rows in two or more "
-                        f"sites, so the group would span partitions: " + list_rows(described, 5)
-                        + "; a patient, case or video belongs to one site (fix the site or group column)")
+        described = [
+            f"{str(grouping.names[g])!r} in sites " + ", ".join(sorted(set(sites[grouping.of_row == g].tolist())))
+            for g in spanning
+        ]
+        raise DataError(
+            f"{source.name}: partition 'natural': {spanning.size} group(s) have rows in two or more "
+            f"sites, so the group would span partitions: "
+            + list_rows(described, 5)
+            + "; a patient, case or video belongs to one site (fix the site or group column)"
+        )
 
 
-def _split_groups(labels: np.ndarray, source_splits: np.ndarray | None, val_fraction: float, test_fraction: float,
-                  seed: int, groups: np.ndarray) -> dict[str, np.ndarray]:
+def _split_groups(
+    labels: np.ndarray,
+    source_splits: np.ndarray | None,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    groups: np.ndarray,
+) -> dict[str, np.ndarray]:
     """``split_client_rows`` by group: source splits per group, then held-out groups for test and val."""
     groups = np.asarray(groups, dtype=str)
     if (groups == "").any():
-        raise DataError(f"group column missing for some rows: {(groups == '').sum()} of {len(groups)} row(s) "
-                        f"have no group")
+        raise DataError(
+            f"group column missing for some rows: {(groups == '').sum()} of {len(groups)} row(s) have no group"
+        )
     grouping = Grouping.of(groups)
     group_splits = np.full(len(grouping.names), "", dtype=object)
     if source_splits is not None:
@@ -349,14 +403,18 @@ def _split_groups(labels: np.ndarray, source_splits: np.ndarray | None, val_frac
                 continue
             if group_splits[g] and group_splits[g] != split:
                 found = sorted(set(np.asarray(source_splits, dtype=str)[grouping.of_row == g].tolist()) - {""})
-                raise DataError(f"group {str(grouping.names[g])!r} has rows in source splits {', '.join(found)}; a "
-                                f"patient, case or video must lie in one split (fix the split column, or use "
-                                f"use_source_splits=False to split by group)")
+                raise DataError(
+                    f"group {str(grouping.names[g])!r} has rows in source splits {', '.join(found)}; a "
+                    f"patient, case or video must lie in one split (fix the split column, or use "
+                    f"use_source_splits=False to split by group)"
+                )
             group_splits[g] = split
     if len(grouping.names) == 1:
-        raise DataError(f"all {len(groups)} row(s) belong to one group ({str(grouping.names[0])!r}: one patient, "
-                        f"case or video), which cannot be split into train and test without leakage; a site needs "
-                        f"rows of at least 2 groups (3 for a val split): use fewer partitions or finer groups")
+        raise DataError(
+            f"all {len(groups)} row(s) belong to one group ({str(grouping.names[0])!r}: one patient, "
+            f"case or video), which cannot be split into train and test without leakage; a site needs "
+            f"rows of at least 2 groups (3 for a val split): use fewer partitions or finer groups"
+        )
     group_labels, sizes = grouping.labels(labels), grouping.sizes
     free = np.flatnonzero(group_splits == "")
     seed &= 2**64 - 1  # numpy seeds are non-negative
@@ -368,8 +426,9 @@ def _split_groups(labels: np.ndarray, source_splits: np.ndarray | None, val_frac
     return {split: np.flatnonzero(row_splits == split).astype(np.int64) for split in SPLITS}
 
 
-def _hold_out_groups(chosen: np.ndarray, labels: np.ndarray, sizes: np.ndarray, fraction: float,
-                     seed: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _hold_out_groups(
+    chosen: np.ndarray, labels: np.ndarray, sizes: np.ndarray, fraction: float, seed: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) groups of ``chosen``, holding out about ``fraction`` of their rows, stratified by the
     groups' labels, leaving at least one group kept.
 

@@ -52,8 +52,18 @@ VOLUMES_HINT = "read it as a volume instead: dataset 'volumes:<root>' (docs/data
 MAX_BYTES_KEY = "max-image-bytes"  # node-config: the largest decoded image, volume or npz array a site allocates
 DEFAULT_MAX_IMAGE_BYTES = 2**30  # 1 GiB
 DECODED_ITEM_BYTES = 4  # images and volumes are counted as the float32 (or RGBA) arrays they may be decoded to
-BYTE_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-              "t": 2**40, "tib": 2**40}
+BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+}
 
 
 # ----------------------------------------------------------------------------- what a site may read
@@ -89,14 +99,16 @@ def max_image_bytes(node_config: Mapping) -> int:
         return DEFAULT_MAX_IMAGE_BYTES
     text = str(raw).strip().lower().replace(" ", "")
     number = text.rstrip("kmgtib")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     try:
         value = float(number) * BYTE_UNITS[unit]
     except (ValueError, KeyError):
         value = float("nan")
     if isinstance(raw, bool) or not (math.isfinite(value) and value >= 1):
-        raise DataError(f"node-config {MAX_BYTES_KEY} = {raw!r}: expected a size in bytes >= 1, e.g. 1073741824 "
-                        "or '4GiB' (docs/deployment.md#per-site-data)")
+        raise DataError(
+            f"node-config {MAX_BYTES_KEY} = {raw!r}: expected a size in bytes >= 1, e.g. 1073741824 "
+            "or '4GiB' (docs/deployment.md#per-site-data)"
+        )
     return int(value)
 
 
@@ -120,7 +132,7 @@ def check_decoded_size(path: str | Path, what: str, shape: Iterable[int], item_b
         raise DataError(
             f"{path}: decoding this {what} of shape {tuple(dims)} would need {need} bytes ({_human(need)}), above this "
             f"site's limit of {limit} bytes ({_human(limit)}, node-config {MAX_BYTES_KEY}); an operator who trusts "
-            f"the file raises it, e.g. flower-supernode ... --node-config \"{MAX_BYTES_KEY}={max(need, limit * 2)}\" "
+            f'the file raises it, e.g. flower-supernode ... --node-config "{MAX_BYTES_KEY}={max(need, limit * 2)}" '
             "(docs/data.md#input-limits)"
         )
 
@@ -315,12 +327,14 @@ def _tiff_image(path: str | Path, intensity: str, where: str, pil_error: Excepti
     try:
         import tifffile  # optional: only for TIFFs PIL cannot read
     except ImportError:
-        raise DataError(f"{where}: {pil_error}; a 16-bit colour TIFF needs the tifffile package "
-                        "(pip install tifffile)") from pil_error
+        raise DataError(
+            f"{where}: {pil_error}; a 16-bit colour TIFF needs the tifffile package (pip install tifffile)"
+        ) from pil_error
     with tifffile.TiffFile(opened_path(path)) as tiff:
         series = tiff.series[0]
-        check_decoded_size(where, f"TIFF ({series.dtype})", series.shape, max(DECODED_ITEM_BYTES,
-                                                                              np.dtype(series.dtype).itemsize))
+        check_decoded_size(
+            where, f"TIFF ({series.dtype})", series.shape, max(DECODED_ITEM_BYTES, np.dtype(series.dtype).itemsize)
+        )
         values = np.asarray(series.asarray())
     if values.ndim == 3 and values.shape[-1] in (3, 4):
         values = values[..., :3]
@@ -352,8 +366,10 @@ def nifti_2d(path: str | Path, where: str) -> np.ndarray:
     shape = tuple(image.shape)
     kept = [n for n in shape if n != 1]
     if len(kept) > 2:
-        raise DataError(f"{where}: NIfTI file of shape {shape} has more than one slice; a 2-D image is expected "
-                        f"here, so {VOLUMES_HINT}")
+        raise DataError(
+            f"{where}: NIfTI file of shape {shape} has more than one slice; a 2-D image is expected "
+            f"here, so {VOLUMES_HINT}"
+        )
     return _nifti_values(image, where).reshape(kept if len(kept) == 2 else (shape + (1, 1))[:2])
 
 
@@ -367,8 +383,10 @@ def _nifti_values(image, where: str) -> np.ndarray:
     check_decoded_size(where, f"NIfTI volume ({stored})", image.shape, item)
     values = np.asanyarray(image.dataobj)
     if values.dtype.kind not in "biuf":
-        raise DataError(f"{where}: NIfTI data type {values.dtype} is not supported (expected integer or float "
-                        "voxels; colour NIfTI is not)")
+        raise DataError(
+            f"{where}: NIfTI data type {values.dtype} is not supported (expected integer or float "
+            "voxels; colour NIfTI is not)"
+        )
     return values
 
 
@@ -386,16 +404,22 @@ def _dicom_dataset(path: str | Path, where: str):
     if not any(keyword in dataset for keyword in PIXEL_DATA_KEYWORDS):
         sop = dataset.get("SOPClassUID")
         what = f" (SOP class {getattr(sop, 'name', sop)})" if sop else ""
-        raise DataError(f"{where}: DICOM file has no pixel data (no PixelData element){what}; it is not an image "
-                        "(e.g. a structured report, presentation state or DICOMDIR)")
+        raise DataError(
+            f"{where}: DICOM file has no pixel data (no PixelData element){what}; it is not an image "
+            "(e.g. a structured report, presentation state or DICOMDIR)"
+        )
     return dataset
 
 
 def dicom_decoded_shape(dataset) -> tuple[tuple[int, ...], int]:
     """(frames, rows, columns, samples) and bytes per sample of a dataset's pixel data, from its attributes."""
     try:
-        shape = (_frames(dataset), int(dataset.get("Rows") or 0), int(dataset.get("Columns") or 0),
-                 int(dataset.get("SamplesPerPixel") or 1))
+        shape = (
+            _frames(dataset),
+            int(dataset.get("Rows") or 0),
+            int(dataset.get("Columns") or 0),
+            int(dataset.get("SamplesPerPixel") or 1),
+        )
         bits = int(dataset.get("BitsAllocated") or 8)
     except (TypeError, ValueError):
         shape, bits = (0,), 8
@@ -427,8 +451,9 @@ def _dicom_image(path: str | Path, intensity: str, where: str) -> np.ndarray:
     dataset = _dicom_dataset(path, where)
     frames = _frames(dataset)
     if frames > 1:
-        raise DataError(f"{where}: multi-frame DICOM ({frames} frames); a 2-D image is expected here, so "
-                        f"{VOLUMES_HINT}")
+        raise DataError(
+            f"{where}: multi-frame DICOM ({frames} frames); a 2-D image is expected here, so {VOLUMES_HINT}"
+        )
     stored = _dicom_pixels(dataset, where)
     mode = parse_intensity(intensity)[0]
     if stored.ndim == 3:  # colour (pydicom gives RGB); no modality LUT or windowing for colour images
@@ -514,8 +539,9 @@ def load_volume(path: str | Path) -> Volume:
     if not path.is_file():
         raise DataError(f"{path}: volume not found")
     if file_format(path) != "nifti":
-        raise DataError(f"{path}: not a volume (expected a .nii/.nii.gz file, a DICOM series folder or a multi-frame "
-                        "DICOM file)")
+        raise DataError(
+            f"{path}: not a volume (expected a .nii/.nii.gz file, a DICOM series folder or a multi-frame DICOM file)"
+        )
     import nibabel as nib
 
     where = f"{path}: cannot read NIfTI volume"
@@ -533,17 +559,21 @@ def load_volume(path: str | Path) -> Volume:
     if values.ndim == 2:
         values = values[:, :, None]
     if values.ndim != 3:
-        raise DataError(f"{path}: NIfTI data of shape {shape}; expected a 3-D volume (a 4-D series with more than one "
-                        "volume is not supported)")
+        raise DataError(
+            f"{path}: NIfTI data of shape {shape}; expected a 3-D volume (a 4-D series with more than one "
+            "volume is not supported)"
+        )
     spacing = tuple((zooms + (1.0, 1.0, 1.0))[:3])
     return Volume(values.astype(np.float32), spacing, eight_bit=values.dtype == np.uint8)
 
 
 def dicom_files(folder: Path) -> list[Path]:
     """The DICOM files directly in ``folder`` (by extension or preamble; hidden files and DICOMDIR left out)."""
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.name.upper() != "DICOMDIR"
-                  and file_format(p) == "dicom")
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.name.upper() != "DICOMDIR" and file_format(p) == "dicom"
+    )
 
 
 def _dicom_series(folder: Path) -> Volume:
@@ -551,8 +581,10 @@ def _dicom_series(folder: Path) -> Volume:
 
     files = dicom_files(folder)
     if not files:
-        raise DataError(f"{folder}: no DICOM files in this series folder (files ending in .dcm/.dicom or starting "
-                        "with the DICM preamble)")
+        raise DataError(
+            f"{folder}: no DICOM files in this series folder (files ending in .dcm/.dicom or starting "
+            "with the DICM preamble)"
+        )
     datasets = [_dicom_dataset(p, f"{p}: cannot read DICOM slice") for p in files]
     _check_series(folder, files, datasets)
     frame, item = dicom_decoded_shape(datasets[0])
@@ -563,12 +595,15 @@ def _dicom_series(folder: Path) -> Volume:
         dataset, name = datasets[position], files[position]
         where = f"{name}: cannot read DICOM slice"
         if _frames(dataset) > 1:
-            raise DataError(f"{folder}: {name.name} is a multi-frame DICOM inside a series folder; put it in images/ "
-                            "as a case of its own")
+            raise DataError(
+                f"{folder}: {name.name} is a multi-frame DICOM inside a series folder; put it in images/ "
+                "as a case of its own"
+            )
         stored = _dicom_pixels(dataset, where)
         if stored.ndim != 2:
-            raise DataError(f"{folder}: {name.name} has pixel data of shape {stored.shape}; a series needs "
-                            "single-frame grey slices")
+            raise DataError(
+                f"{folder}: {name.name} has pixel data of shape {stored.shape}; a series needs single-frame grey slices"
+            )
         values = apply_modality_lut(stored, dataset)
         eight_bit &= values.dtype == np.uint8
         monochrome1 |= str(dataset.get("PhotometricInterpretation", "")).strip() == "MONOCHROME1"
@@ -588,8 +623,10 @@ def _check_series(folder: Path, files: list[Path], datasets: list) -> None:
 
     uids = [str(d.get("SeriesInstanceUID", "")) for d in datasets]
     if len(set(uids)) > 1:
-        raise DataError(f"{folder}: files of {len(set(uids))} DICOM series (SeriesInstanceUID) in one folder; put each "
-                        f"series in a folder of its own: {grouped(uids)}")
+        raise DataError(
+            f"{folder}: files of {len(set(uids))} DICOM series (SeriesInstanceUID) in one folder; put each "
+            f"series in a folder of its own: {grouped(uids)}"
+        )
     sizes = [f"{d.get('Rows')}x{d.get('Columns')}" for d in datasets]
     if len(set(sizes)) > 1:
         raise DataError(f"{folder}: the slices of this series have different sizes (rows x columns): {grouped(sizes)}")
@@ -610,8 +647,10 @@ def _slice_order(folder: Path, files: list[Path], datasets: list) -> list[int]:
     order = sorted(range(len(files)), key=lambda i: (keys[i], files[i].name))
     repeated = [files[b].name for a, b in zip(order, order[1:]) if keys[a] == keys[b]]
     if repeated:
-        raise DataError(f"{folder}: {len(repeated)} slice(s) share a position with another slice (ImagePositionPatient "
-                        f"or InstanceNumber), e.g. {list_rows(repeated, 3)}; a series folder must hold one volume")
+        raise DataError(
+            f"{folder}: {len(repeated)} slice(s) share a position with another slice (ImagePositionPatient "
+            f"or InstanceNumber), e.g. {list_rows(repeated, 3)}; a series folder must hold one volume"
+        )
     return order
 
 
@@ -621,8 +660,9 @@ def _series_spacing(datasets: list, order: list[int]) -> tuple[float, float, flo
     try:
         orientation = np.asarray(first.ImageOrientationPatient, dtype=np.float64)
         normal = np.cross(orientation[:3], orientation[3:])
-        positions = [float(np.dot(normal, np.asarray(datasets[i].ImagePositionPatient, dtype=np.float64)))
-                     for i in order]
+        positions = [
+            float(np.dot(normal, np.asarray(datasets[i].ImagePositionPatient, dtype=np.float64))) for i in order
+        ]
         between = float(np.median(np.diff(positions))) if len(positions) > 1 else 0.0
     except (AttributeError, TypeError, ValueError, IndexError):
         between = 0.0
@@ -671,14 +711,16 @@ def _dicom_multiframe(path: Path) -> Volume:
     if stored.ndim == 2:
         stored = stored[None]
     if stored.ndim != 3:
-        raise DataError(f"{where}: pixel data of shape {stored.shape}; a volume needs grey frames (colour is not "
-                        "supported)")
+        raise DataError(
+            f"{where}: pixel data of shape {stored.shape}; a volume needs grey frames (colour is not supported)"
+        )
     values = apply_modality_lut(stored, dataset)
     row, column = _pixel_spacing(dataset)
     array = np.transpose(np.asarray(values, dtype=np.float32), (2, 1, 0))  # (frames, rows, cols) -> (i, j, k)
     monochrome1 = str(dataset.get("PhotometricInterpretation", "")).strip() == "MONOCHROME1"
-    return Volume(array, (column, row, _slice_thickness(dataset)), eight_bit=values.dtype == np.uint8,
-                  monochrome1=monochrome1)
+    return Volume(
+        array, (column, row, _slice_thickness(dataset)), eight_bit=values.dtype == np.uint8, monochrome1=monochrome1
+    )
 
 
 def volume_intensity(volume: Volume, intensity: str) -> np.ndarray:
@@ -691,4 +733,3 @@ def volume_intensity(volume: Volume, intensity: str) -> np.ndarray:
     if volume.monochrome1:
         unit = 1.0 - unit
     return to_uint8(unit)
-

@@ -37,8 +37,11 @@ from .spec import ARGLESS_KINDS, DataError, DataSpec, list_rows
 ROOTS_KEY = "data-roots"
 ROOTS_ENV = "MEDFLOWER_DATA_ROOTS"
 # run-config keys naming files a site's model reads (ModelSpec attribute), besides the dataset's
-MODEL_PATH_KEYS = (("backbone-weights", "weights"), ("class-embeddings", "class_embeddings"),
-                   ("text-encoder", "text_encoder"))
+MODEL_PATH_KEYS = (
+    ("backbone-weights", "weights"),
+    ("class-embeddings", "class_embeddings"),
+    ("text-encoder", "text_encoder"),
+)
 NOT_PATHS = ("", "none", "auto")  # backbone-weights values that name no file
 
 

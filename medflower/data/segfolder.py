@@ -57,8 +57,10 @@ MAX_MASK_CLASS = 32
 MASKS, STRUCTURE_PREFIX = "masks", "masks-"  # masks/ (one mask per image) or masks-<structure>/ (one per structure)
 SPLIT_FILE, GROUP_FILE = "split.csv", "groups.csv"
 SPLITS = ("train", "val", "test")
-REFUGE_HINT = ("set run-config mask-values to say which structures each value stands for, e.g. "
-               "'0=disc+cup,128=disc,255=' for REFUGE's optic disc and cup (docs/data.md#masks)")
+REFUGE_HINT = (
+    "set run-config mask-values to say which structures each value stands for, e.g. "
+    "'0=disc+cup,128=disc,255=' for REFUGE's optic disc and cup (docs/data.md#masks)"
+)
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,17 @@ def file_stem(path: Path) -> str:
 def mask_folders(folder: Path) -> list[Path]:
     """The mask folders of a site folder: ``masks/``, or its ``masks-<structure>/`` folders sorted by name;
     DataError when it has both."""
-    structures = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith(STRUCTURE_PREFIX)
-                        and len(p.name) > len(STRUCTURE_PREFIX))
+    structures = sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_dir() and p.name.startswith(STRUCTURE_PREFIX) and len(p.name) > len(STRUCTURE_PREFIX)
+    )
     if (folder / MASKS).is_dir():
         if structures:
-            raise DataError(f"{folder}: has both masks/ and {', '.join(p.name + '/' for p in structures)}; keep "
-                            "masks/ (one mask per image) or one masks-<structure>/ folder per structure")
+            raise DataError(
+                f"{folder}: has both masks/ and {', '.join(p.name + '/' for p in structures)}; keep "
+                "masks/ (one mask per image) or one masks-<structure>/ folder per structure"
+            )
         return [folder / MASKS]
     return structures
 
@@ -138,25 +145,31 @@ def find_sites(root: Path) -> list[tuple[str, Path]]:
         _check_pair_folders(half[0])
     if not sites:
         found = ", ".join(p.name for p in sorted(root.iterdir())[:10]) or "nothing"
-        raise DataError(f"{root}: expected images/ and masks/ folders (or one masks-<structure>/ folder per "
-                        f"structure), in the root or in one sub-folder per site (<root>/<site>/images, "
-                        f"<root>/<site>/masks); found {found}")
+        raise DataError(
+            f"{root}: expected images/ and masks/ folders (or one masks-<structure>/ folder per "
+            f"structure), in the root or in one sub-folder per site (<root>/<site>/images, "
+            f"<root>/<site>/masks); found {found}"
+        )
     return sites
 
 
 def _check_pair_folders(folder: Path) -> None:
     if not (folder / "images").is_dir():
-        raise DataError(f"{folder}: has {mask_folders(folder)[0].name}/ but no images/ folder (expected images/ "
-                        "and masks/)")
+        raise DataError(
+            f"{folder}: has {mask_folders(folder)[0].name}/ but no images/ folder (expected images/ and masks/)"
+        )
     if not mask_folders(folder):
-        raise DataError(f"{folder}: has images/ but no masks/ folder (expected images/ and masks/, or one "
-                        "masks-<structure>/ folder per structure)")
+        raise DataError(
+            f"{folder}: has images/ but no masks/ folder (expected images/ and masks/, or one "
+            "masks-<structure>/ folder per structure)"
+        )
 
 
 def image_files(folder: Path, extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[Path]:
     """Files directly in ``folder`` with one of ``extensions``, sorted by name."""
-    return sorted(p for p in folder.iterdir()
-                  if file_extension(p) in extensions and not p.name.startswith(".") and p.is_file())
+    return sorted(
+        p for p in folder.iterdir() if file_extension(p) in extensions and not p.name.startswith(".") and p.is_file()
+    )
 
 
 def pair_site(folder: Path) -> list[tuple[Path, tuple[Path, ...]]]:
@@ -169,8 +182,9 @@ def pair_site(folder: Path) -> list[tuple[Path, tuple[Path, ...]]]:
     for image in images:
         stem = file_stem(image)
         if stem in by_stem:
-            raise DataError(f"{folder / 'images'}: two images with the stem {stem!r}: "
-                            f"{by_stem[stem].name}, {image.name}")
+            raise DataError(
+                f"{folder / 'images'}: two images with the stem {stem!r}: {by_stem[stem].name}, {image.name}"
+            )
         by_stem[stem] = image
     folders = mask_folders(folder)
     several = len(folders) > 1
@@ -179,13 +193,19 @@ def pair_site(folder: Path) -> list[tuple[Path, tuple[Path, ...]]]:
         mask_of: dict[str, Path] = {}
         for mask in image_files(masks_folder, MASK_EXTENSIONS):
             stem = file_stem(mask)
-            key = stem if stem in by_stem else next(
-                (stem[:-len(s)] for s in MASK_SUFFIXES if stem.endswith(s) and stem[:-len(s)] in by_stem), None)
+            key = (
+                stem
+                if stem in by_stem
+                else next(
+                    (stem[: -len(s)] for s in MASK_SUFFIXES if stem.endswith(s) and stem[: -len(s)] in by_stem), None
+                )
+            )
             if key is None:
                 without_image.append(f"{masks_folder.name}/{mask.name}" if several else mask.name)
             elif key in mask_of:
-                raise DataError(f"{masks_folder}: two masks for image {by_stem[key].name}: "
-                                f"{mask_of[key].name}, {mask.name}")
+                raise DataError(
+                    f"{masks_folder}: two masks for image {by_stem[key].name}: {mask_of[key].name}, {mask.name}"
+                )
             else:
                 mask_of[key] = mask
         missing = [image.name for stem, image in by_stem.items() if stem not in mask_of]
@@ -195,8 +215,10 @@ def pair_site(folder: Path) -> list[tuple[Path, tuple[Path, ...]]]:
     if without_image:
         problems.append(f"{len(without_image)} mask(s) without an image in images/: {list_rows(without_image)}")
     if problems:
-        raise DataError(f"{folder}: unpaired files ({'; '.join(problems)}); masks pair with images by file "
-                        f"stem, optionally with a suffix {' or '.join(MASK_SUFFIXES)}")
+        raise DataError(
+            f"{folder}: unpaired files ({'; '.join(problems)}); masks pair with images by file "
+            f"stem, optionally with a suffix {' or '.join(MASK_SUFFIXES)}"
+        )
     return [(by_stem[stem], tuple(mask_of[stem] for mask_of in found)) for stem in sorted(by_stem)]
 
 
@@ -206,15 +228,17 @@ def scan_folder(root: Path) -> SegFolder:
     site_folders = find_sites(root)
     for site, folder in site_folders:
         folders = mask_folders(folder)
-        structures[site] = tuple(p.name[len(STRUCTURE_PREFIX):] for p in folders if p.name != MASKS)
+        structures[site] = tuple(p.name[len(STRUCTURE_PREFIX) :] for p in folders if p.name != MASKS)
         for image, masks in pair_site(folder):
             sites.append(site)
             images.append(image)
             mask_sets.append(masks)
     if len(set(structures.values())) > 1:
         shown = "; ".join(f"{site}: {', '.join(s) if s else 'masks/'}" for site, s in structures.items())
-        raise DataError(f"{root}: the sites have different mask folders ({shown}); every site needs the same "
-                        "masks/ or masks-<structure>/ folders (one output per structure)")
+        raise DataError(
+            f"{root}: the sites have different mask folders ({shown}); every site needs the same "
+            "masks/ or masks-<structure>/ folders (one output per structure)"
+        )
     keys = [(site, file_stem(image)) for site, image in zip(sites, images)]
     splits = _per_image(root, site_folders, keys, SPLIT_FILE, "split")
     groups = _per_image(root, site_folders, keys, GROUP_FILE, "group")
@@ -223,19 +247,29 @@ def scan_folder(root: Path) -> SegFolder:
         # site without one are each their own group, which is what a folder without groups means.
         listed = {site for site, folder in site_folders if (folder / GROUP_FILE).is_file()}
         everywhere = (root / GROUP_FILE).is_file() and not any(folder == root for _, folder in site_folders)
-        missing = [f"{site}/{stem}" for (site, stem), g in zip(keys, groups)
-                   if g is None and (everywhere or site in listed)]
+        missing = [
+            f"{site}/{stem}" for (site, stem), g in zip(keys, groups) if g is None and (everywhere or site in listed)
+        ]
         if missing:
-            raise DataError(f"{root}: {len(missing)} image(s) have no row in {GROUP_FILE} (each image needs its "
-                            f"patient, case or video): {list_rows(missing)}")
+            raise DataError(
+                f"{root}: {len(missing)} image(s) have no row in {GROUP_FILE} (each image needs its "
+                f"patient, case or video): {list_rows(missing)}"
+            )
         groups = [f"{site}/{g}" if g is not None else f"{site}/image:{stem}" for (site, stem), g in zip(keys, groups)]
-    return SegFolder(root, tuple(sites), tuple(images), tuple(mask_sets), next(iter(structures.values())),
-                     None if splits is None else tuple(s or "" for s in splits),
-                     None if groups is None else tuple(groups))
+    return SegFolder(
+        root,
+        tuple(sites),
+        tuple(images),
+        tuple(mask_sets),
+        next(iter(structures.values())),
+        None if splits is None else tuple(s or "" for s in splits),
+        None if groups is None else tuple(groups),
+    )
 
 
-def _per_image(root: Path, site_folders: list[tuple[str, Path]], keys: list[tuple[str, str]], file_name: str,
-               column: str) -> list[str | None] | None:
+def _per_image(
+    root: Path, site_folders: list[tuple[str, Path]], keys: list[tuple[str, str]], file_name: str, column: str
+) -> list[str | None] | None:
     """The ``column`` value of each image (``keys``: site, stem) from ``file_name`` in its site folder and in the
     root (None for an image no row names); None when there is no such file. DataError for a malformed file, a row
     naming no image, and an image named twice."""
@@ -268,17 +302,23 @@ def _per_image(root: Path, site_folders: list[tuple[str, Path]], keys: list[tupl
             if column == "group" and not value:
                 bad.append(f"line {line} ({stem!r})")
             if i in named_at:
-                raise DataError(f"{path}: line {line} names image {keys[i][0]}/{stem} again (already at "
-                                f"{named_at[i]}); name each image once")
+                raise DataError(
+                    f"{path}: line {line} names image {keys[i][0]}/{stem} again (already at "
+                    f"{named_at[i]}); name each image once"
+                )
             named_at[i] = f"{path} line {line}"
             values[i] = value.lower() if column == "split" else value
         where = f"site {site}" if site is not None else f"any site of {root}"
         if unknown:
-            raise DataError(f"{path}: {len(unknown)} row(s) name no image of {where} (stem = the image file name "
-                            f"without its extension): {list_rows(unknown)}")
+            raise DataError(
+                f"{path}: {len(unknown)} row(s) name no image of {where} (stem = the image file name "
+                f"without its extension): {list_rows(unknown)}"
+            )
         if ambiguous:
-            raise DataError(f"{path}: {len(ambiguous)} stem(s) are images of several sites; add a site column: "
-                            f"{list_rows(ambiguous)}")
+            raise DataError(
+                f"{path}: {len(ambiguous)} stem(s) are images of several sites; add a site column: "
+                f"{list_rows(ambiguous)}"
+            )
         if bad:
             what = "split must be train, val, test or empty" if column == "split" else "the group is empty"
             raise DataError(f"{path}: {what} in {len(bad)} row(s): {list_rows(bad)}")
@@ -291,15 +331,18 @@ def _read_rows(path: Path, column: str, site_column: bool) -> list[tuple[int, di
         with path.open(newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             header = [str(c).strip() for c in reader.fieldnames or []]
-            rows = [(i + 2, {h: (v or "").strip() for h, v in zip(header, row.values())})
-                    for i, row in enumerate(reader)]
+            rows = [
+                (i + 2, {h: (v or "").strip() for h, v in zip(header, row.values())}) for i, row in enumerate(reader)
+            ]
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise DataError(f"{path}: cannot read {path.name}: {exc}") from exc
     missing = [c for c in ("stem", column) if c not in header]
     if missing:
         extra = " (and optionally site)" if site_column else ""
-        raise DataError(f"{path}: missing column(s) {', '.join(missing)}; expected stem,{column}{extra}, found "
-                        f"{', '.join(header) or 'no header'}")
+        raise DataError(
+            f"{path}: missing column(s) {', '.join(missing)}; expected stem,{column}{extra}, found "
+            f"{', '.join(header) or 'no header'}"
+        )
     return [(line, row) for line, row in rows if any(row.values())]
 
 
@@ -339,8 +382,10 @@ def read_mask(path: Path, value_map: MaskValueMap | None = None) -> np.ndarray:
     pixels = mask_pixels(path)
     classes = mask_classes(pixels)
     if classes is None:
-        raise DataError(f"{path}: mask values {shown_values(pixels)} are neither binary (0/255 or 0/1) nor "
-                        f"class indices 0..{MAX_MASK_CLASS} (0 = background); {REFUGE_HINT}")
+        raise DataError(
+            f"{path}: mask values {shown_values(pixels)} are neither binary (0/255 or 0/1) nor "
+            f"class indices 0..{MAX_MASK_CLASS} (0 = background); {REFUGE_HINT}"
+        )
     return classes
 
 
@@ -351,8 +396,10 @@ def read_masks(paths: Path | tuple[Path, ...], value_map: MaskValueMap | None = 
         return read_mask(paths, value_map)
     planes = [binary_plane(path) for path in paths]
     if len({p.shape for p in planes}) > 1:
-        raise DataError("the masks of one image differ in size: "
-                        + ", ".join(f"{p} {plane.shape}" for p, plane in zip(paths, planes)))
+        raise DataError(
+            "the masks of one image differ in size: "
+            + ", ".join(f"{p} {plane.shape}" for p, plane in zip(paths, planes))
+        )
     return np.stack(planes)
 
 
@@ -361,8 +408,10 @@ def binary_plane(path: Path) -> np.ndarray:
     pixels = mask_pixels(path)
     plane = _binary(pixels)
     if plane is None:
-        raise DataError(f"{path}: mask values {shown_values(pixels)} are not binary (0/255 or 0/1); a "
-                        "masks-<structure>/ folder holds one binary mask per image")
+        raise DataError(
+            f"{path}: mask values {shown_values(pixels)} are not binary (0/255 or 0/1); a "
+            "masks-<structure>/ folder holds one binary mask per image"
+        )
     return plane
 
 
@@ -401,8 +450,9 @@ def _pil_pixels(path: Path) -> np.ndarray:
     if pixels.ndim == 3:  # LA, RGB, RGBA: all colour channels must agree
         colour = pixels[..., :3] if pixels.shape[-1] >= 3 else pixels[..., :1]
         if np.any(colour != colour[..., :1]):
-            raise DataError(f"{path}: colour mask (its channels differ); expected a grayscale or palette "
-                            "mask of class indices")
+            raise DataError(
+                f"{path}: colour mask (its channels differ); expected a grayscale or palette mask of class indices"
+            )
         pixels = colour[..., 0]
     return pixels
 
@@ -441,9 +491,11 @@ def scan_masks(folder: SegFolder, value_map: MaskValueMap | None = None) -> tupl
     values.
     """
     if value_map is not None and folder.structures:
-        raise DataError(f"{folder.root}: run-config mask-values ({value_map.text()}) maps the values of masks/ "
-                        f"files, but the masks are in masks-<structure>/ folders (one binary mask per structure: "
-                        f"{', '.join(folder.structures)}); leave mask-values empty")
+        raise DataError(
+            f"{folder.root}: run-config mask-values ({value_map.text()}) maps the values of masks/ "
+            f"files, but the masks are in masks-<structure>/ folders (one binary mask per structure: "
+            f"{', '.join(folder.structures)}); leave mask-values empty"
+        )
     amount = np.zeros(len(folder.images), dtype=np.int64)
     bad = []
     for i, paths in enumerate(folder.mask_sets):
@@ -453,8 +505,10 @@ def scan_masks(folder: SegFolder, value_map: MaskValueMap | None = None) -> tupl
             if value_map is not None:
                 unlisted = values[~np.isin(values, value_map.values)]
                 if unlisted.size:
-                    bad.append(f"{path.relative_to(folder.root)} (values {shown_values(pixels)}; not in the map: "
-                               f"{shown_values(unlisted)})")
+                    bad.append(
+                        f"{path.relative_to(folder.root)} (values {shown_values(pixels)}; not in the map: "
+                        f"{shown_values(unlisted)})"
+                    )
                 else:
                     planes = value_map.planes(pixels, str(path))
                     amount[i] = int(planes.reshape(len(planes), -1).any(axis=1).sum())
@@ -472,8 +526,10 @@ def scan_masks(folder: SegFolder, value_map: MaskValueMap | None = None) -> tupl
         elif folder.structures:
             rule = "masks of masks-<structure>/ folders must be binary (0/255 or 0/1)"
         else:
-            rule = (f"masks must be binary (0/255 or 0/1) or hold class indices 0..{MAX_MASK_CLASS} (0 = background);"
-                    f" {REFUGE_HINT}")
+            rule = (
+                f"masks must be binary (0/255 or 0/1) or hold class indices 0..{MAX_MASK_CLASS} (0 = background);"
+                f" {REFUGE_HINT}"
+            )
         raise DataError(f"{folder.root}: {len(bad)} mask(s) with bad values: {list_rows(bad)}; {rule}")
     if value_map is not None:
         return amount, value_map.structures

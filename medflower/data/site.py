@@ -45,8 +45,10 @@ class SiteClasses:
         if self.num_classes < 1:
             raise DataError("the run's number of classes is unknown: the run needs num-classes > 0 or class-names")
         if self.names and len(self.names) != self.num_classes:
-            raise DataError(f"run-config class-names lists {len(self.names)} classes but the run has "
-                            f"{self.num_classes} (num-classes)")
+            raise DataError(
+                f"run-config class-names lists {len(self.names)} classes but the run has "
+                f"{self.num_classes} (num-classes)"
+            )
 
     def class_names(self, task: str) -> tuple[str, ...]:
         """class-names; else the indices as text, as the server names them, or for segmentation the foreground
@@ -54,8 +56,11 @@ class SiteClasses:
         if self.names:
             return self.names
         if task == "segmentation":
-            return ("foreground",) if self.num_classes == 1 else tuple(
-                f"class-{c}" for c in range(1, self.num_classes + 1))
+            return (
+                ("foreground",)
+                if self.num_classes == 1
+                else tuple(f"class-{c}" for c in range(1, self.num_classes + 1))
+            )
         return tuple(str(c) for c in range(self.num_classes))
 
     def map_labels(self, source: Source) -> np.ndarray:
@@ -70,19 +75,26 @@ class SiteClasses:
                 f"{shown(source.class_names)}) but run-config class-names is unset; a site does not number its own "
                 f"label names (another site would give the same index to another class): set run-config "
                 f"class-names (comma-separated, in index order) or write the labels as class indices "
-                f"0..{self.num_classes - 1}")
-        by_text = bool(self.names) and (source.labels_are_names or (
-            source.written_labels and any(INTEGER.fullmatch(n) for n in self.names)))
+                f"0..{self.num_classes - 1}"
+            )
+        by_text = bool(self.names) and (
+            source.labels_are_names or (source.written_labels and any(INTEGER.fullmatch(n) for n in self.names))
+        )
         if by_text:
-            written = (np.asarray(source.class_names, dtype=str)[source.labels] if source.labels_are_names
-                       else source.labels.astype(str))
+            written = (
+                np.asarray(source.class_names, dtype=str)[source.labels]
+                if source.labels_are_names
+                else source.labels.astype(str)
+            )
             return self._by_name(source, written)
         outside = source.labels >= self.num_classes
         if outside.any():
             what = "class-names" if self.names else "num-classes"
-            raise DataError(f"{source.name}: {outside.sum()} row(s) have class indices outside "
-                            f"0..{self.num_classes - 1} (the run has {self.num_classes} classes, run-config {what}): "
-                            f"{shown(np.unique(source.labels[outside]))}")
+            raise DataError(
+                f"{source.name}: {outside.sum()} row(s) have class indices outside "
+                f"0..{self.num_classes - 1} (the run has {self.num_classes} classes, run-config {what}): "
+                f"{shown(np.unique(source.labels[outside]))}"
+            )
         return source.labels
 
     def _by_name(self, source: Source, written: np.ndarray) -> np.ndarray:
@@ -90,8 +102,10 @@ class SiteClasses:
         unknown = sorted(set(np.unique(written).tolist()) - index.keys())
         if unknown:
             rows = np.isin(written, unknown)
-            raise DataError(f"{source.name}: {len(unknown)} label(s) in {rows.sum()} row(s) are not in run-config "
-                            f"class-names: {shown(unknown)} (class-names: {shown(self.names, 12)})")
+            raise DataError(
+                f"{source.name}: {len(unknown)} label(s) in {rows.sum()} row(s) are not in run-config "
+                f"class-names: {shown(unknown)} (class-names: {shown(self.names, 12)})"
+            )
         return np.array([index[w] for w in written.tolist()], dtype=np.int64)
 
 
@@ -111,15 +125,21 @@ def _site_data(key: tuple, spec: DataSpec, classes: SiteClasses) -> ClientData:
     source = open_source_by_key(key)
     if source.task == "segmentation":  # masks hold class indices or structure planes: nothing to map, only to bound
         if source.planes and source.num_classes != classes.num_classes:
-            raise DataError(f"{source.name}: the masks hold {source.num_classes} structures "
-                            f"({', '.join(source.class_names)}) but the run has {classes.num_classes} outputs "
-                            "(run-config num-classes or class-names): every site must give the same structures")
+            raise DataError(
+                f"{source.name}: the masks hold {source.num_classes} structures "
+                f"({', '.join(source.class_names)}) but the run has {classes.num_classes} outputs "
+                "(run-config num-classes or class-names): every site must give the same structures"
+            )
         if source.planes and classes.names and tuple(classes.names) != tuple(source.class_names):
-            raise DataError(f"{source.name}: the structures are {', '.join(source.class_names)} in this order but "
-                            f"run-config class-names says {', '.join(classes.names)}")
+            raise DataError(
+                f"{source.name}: the structures are {', '.join(source.class_names)} in this order but "
+                f"run-config class-names says {', '.join(classes.names)}"
+            )
         if source.num_classes > classes.num_classes:
-            raise DataError(f"{source.name}: the masks hold foreground classes up to {source.num_classes} but the "
-                            f"run has {classes.num_classes} (run-config num-classes)")
+            raise DataError(
+                f"{source.name}: the masks hold foreground classes up to {source.num_classes} but the "
+                f"run has {classes.num_classes} (run-config num-classes)"
+            )
         labels = source.labels
     else:
         labels = classes.map_labels(source)
@@ -149,8 +169,9 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
         candidates = manifests or npz
         if len(candidates) != 1:
             found = ", ".join(p.name for p in manifests + npz) or "nothing"
-            raise DataError(f"node-config data-path {path}: expected one manifest .csv or one .npz in the folder, "
-                            f"found {found}")
+            raise DataError(
+                f"node-config data-path {path}: expected one manifest .csv or one .npz in the folder, found {found}"
+            )
         path = candidates[0]
     if not path.is_file():
         raise DataError(f"node-config data-path {path} does not exist")
@@ -167,8 +188,9 @@ def site_data_spec(base: DataSpec, data_path: str) -> DataSpec:
 def is_segfolder(path: Path) -> bool:
     """``path`` holds images/ and a mask folder (masks/ or masks-<structure>/), or a sub-folder does (the segfolder
     layout)."""
-    return has_layout(path) or any(has_layout(p) for p in path.iterdir()
-                                   if p.is_dir() and not p.name.startswith((".", "_")))
+    return has_layout(path) or any(
+        has_layout(p) for p in path.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+    )
 
 
 def is_volume_folder(path: Path) -> bool:
@@ -177,5 +199,6 @@ def is_volume_folder(path: Path) -> bool:
     images = path / "images"
     if not (images.is_dir() and (path / "masks").is_dir()):
         return False
-    return any(file_extension(p) in NIFTI_EXTENSIONS or p.is_dir() for p in images.iterdir()
-               if not p.name.startswith("."))
+    return any(
+        file_extension(p) in NIFTI_EXTENSIONS or p.is_dir() for p in images.iterdir() if not p.name.startswith(".")
+    )

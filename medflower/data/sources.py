@@ -10,7 +10,6 @@ in one process are cheap.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from functools import cached_property, lru_cache
@@ -20,7 +19,8 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from . import segfolder, synthetic, synthetic_seg
+from . import segfolder, synthetic, synthetic_seg, volumes
+from .base import MAX_LABEL, NA_LABELS, SPLITS, Source, default_class_names
 from .image_datasets import (
     ArrayImageDataset,
     ImageFileDataset,
@@ -31,87 +31,69 @@ from .maskmap import parse_mask_values
 from .readers import check_npz, opened_path
 from .spec import SEGMENTATION_KINDS, DataError, DataSpec, list_rows
 
-SPLITS = ("train", "val", "test")
-
 # Class names of the single-label 2D MedMNIST datasets (medmnist.INFO); others get "class-<i>".
 MEDMNIST_CLASS_NAMES: dict[str, tuple[str, ...]] = {
-    "pathmnist": ("adipose", "background", "debris", "lymphocytes", "mucus", "smooth muscle",
-                  "normal colon mucosa", "cancer-associated stroma",
-                  "colorectal adenocarcinoma epithelium"),
-    "dermamnist": ("actinic keratoses and intraepithelial carcinoma", "basal cell carcinoma",
-                   "benign keratosis-like lesions", "dermatofibroma", "melanoma", "melanocytic nevi",
-                   "vascular lesions"),
+    "pathmnist": (
+        "adipose",
+        "background",
+        "debris",
+        "lymphocytes",
+        "mucus",
+        "smooth muscle",
+        "normal colon mucosa",
+        "cancer-associated stroma",
+        "colorectal adenocarcinoma epithelium",
+    ),
+    "dermamnist": (
+        "actinic keratoses and intraepithelial carcinoma",
+        "basal cell carcinoma",
+        "benign keratosis-like lesions",
+        "dermatofibroma",
+        "melanoma",
+        "melanocytic nevi",
+        "vascular lesions",
+    ),
     "octmnist": ("choroidal neovascularization", "diabetic macular edema", "drusen", "normal"),
     "pneumoniamnist": ("normal", "pneumonia"),
     "retinamnist": ("0", "1", "2", "3", "4"),
     "breastmnist": ("malignant", "normal, benign"),
-    "bloodmnist": ("basophil", "eosinophil", "erythroblast", "immature granulocytes", "lymphocyte",
-                   "monocyte", "neutrophil", "platelet"),
-    "tissuemnist": ("Collecting Duct, Connecting Tubule", "Distal Convoluted Tubule",
-                    "Glomerular endothelial cells", "Interstitial endothelial cells", "Leukocytes",
-                    "Podocytes", "Proximal Tubule Segments", "Thick Ascending Limb"),
-    **dict.fromkeys(("organamnist", "organcmnist", "organsmnist"), (
-        "bladder", "femur-left", "femur-right", "heart", "kidney-left", "kidney-right", "liver",
-        "lung-left", "lung-right", "pancreas", "spleen")),
+    "bloodmnist": (
+        "basophil",
+        "eosinophil",
+        "erythroblast",
+        "immature granulocytes",
+        "lymphocyte",
+        "monocyte",
+        "neutrophil",
+        "platelet",
+    ),
+    "tissuemnist": (
+        "Collecting Duct, Connecting Tubule",
+        "Distal Convoluted Tubule",
+        "Glomerular endothelial cells",
+        "Interstitial endothelial cells",
+        "Leukocytes",
+        "Podocytes",
+        "Proximal Tubule Segments",
+        "Thick Ascending Limb",
+    ),
+    **dict.fromkeys(
+        ("organamnist", "organcmnist", "organsmnist"),
+        (
+            "bladder",
+            "femur-left",
+            "femur-right",
+            "heart",
+            "kidney-left",
+            "kidney-right",
+            "liver",
+            "lung-left",
+            "lung-right",
+            "pancreas",
+            "spleen",
+        ),
+    ),
 }
-
-
-# pandas' default NA strings (pandas._libs.parsers.STR_NA_VALUES): a manifest label written as one of these is a
-# missing label, never a class.
-NA_LABELS = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
-                       "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
-MAX_LABEL = 99_999  # the largest class index a source may hold (a class per index is named, so no more)
-
-
-def default_class_names(num_classes: int) -> tuple[str, ...]:
-    """'class-0', 'class-1', ..."""
-    return tuple(f"class-{c}" for c in range(num_classes))
-
-
-class Source:
-    """A pool of labelled rows; subclasses make the images of a client's rows."""
-
-    name: str  # names the source (and its file) in messages
-    labels: np.ndarray  # int64 (N,)
-    class_names: tuple[str, ...]  # segmentation: the foreground classes (mask values 1..K)
-    splits: np.ndarray | None = None  # per row "train" | "val" | "test" | "" (no split)
-    # per row: the patient, case or video sequence it comes from; no group spans two partitions or two splits
-    groups: np.ndarray | None = None
-    planes: bool = False  # segmentation: masks are named structures, one binary plane each (docs/data.md#masks)
-    task: str = "classification"  # or "segmentation"
-    styled_by_partition: bool = False  # each partition renders its rows in its own site style
-    # True when the rows named their classes (a manifest with text labels): ``class_names`` are those names,
-    # sorted; False when the rows hold class indices and ``class_names`` are the source's convention
-    labels_are_names: bool = False
-    written_labels: bool = False  # labels were read as text (a manifest), so integer labels can be matched by name
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.class_names)
-
-    def relabelled(self, labels: np.ndarray, class_names: tuple[str, ...]) -> Source:
-        """The same rows with other class indices and names (a site mapping its labels onto the run's classes)."""
-        if len(labels) != len(self):
-            raise ValueError(f"{len(labels)} labels for {len(self)} rows")
-        other = copy.copy(self)
-        other.labels, other.class_names = np.asarray(labels, dtype=np.int64), tuple(class_names)
-        other.labels_are_names = False
-        return other
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def sites(self, num_partitions: int) -> np.ndarray | None:
-        """Natural site of each row, or None when the source has no sites."""
-        return None
-
-    def row_name(self, row: int) -> str:
-        """How messages refer to pool row ``row``."""
-        return f"row {row}"
-
-    def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
-        """Dataset of pool ``rows`` as held by partition ``partition_id``."""
-        raise NotImplementedError
 
 
 class SyntheticSource(Source):
@@ -157,8 +139,9 @@ class SyntheticSegSource(SyntheticSource):
 
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
         """Rows as drawn by partition ``partition_id`` in its own style (``render_site`` picks other styles)."""
-        images, masks = synthetic_seg.render_site(self.seed, partition_id, rows, self.size, spec.img_size,
-                                                  noise_key=(self.seed, partition_id))
+        images, masks = synthetic_seg.render_site(
+            self.seed, partition_id, rows, self.size, spec.img_size, noise_key=(self.seed, partition_id)
+        )
         return SegArrayDataset(images, masks, self.labels[rows], spec.img_size)
 
 
@@ -174,16 +157,20 @@ class MedmnistSource(Source):
         with self._open() as npz:
             missing = [k for k in self.IMAGE_KEYS + self.LABEL_KEYS if k not in npz.files]
             if missing:
-                raise DataError(f"{path}: npz is missing key(s) {', '.join(missing)}; "
-                                f"found keys: {', '.join(sorted(npz.files)) or 'none'}")
+                raise DataError(
+                    f"{path}: npz is missing key(s) {', '.join(missing)}; "
+                    f"found keys: {', '.join(sorted(npz.files)) or 'none'}"
+                )
             split_labels = [self._check_labels(npz, key) for key in self.LABEL_KEYS]
         self.split_sizes = [len(lab) for lab in split_labels]
         self.labels = np.concatenate(split_labels)
         self.splits = np.repeat(np.array(SPLITS), self.split_sizes)
         known = MEDMNIST_CLASS_NAMES.get(flag)
         if known is not None and self.labels.max(initial=-1) >= len(known):
-            raise DataError(f"{path}: label {self.labels.max()} is out of range for {flag}, "
-                            f"which has {len(known)} classes (0..{len(known) - 1})")
+            raise DataError(
+                f"{path}: label {self.labels.max()} is out of range for {flag}, "
+                f"which has {len(known)} classes (0..{len(known) - 1})"
+            )
         self.class_names = known or default_class_names(int(self.labels.max(initial=0)) + 1)
 
     def _open(self) -> np.lib.npyio.NpzFile:
@@ -202,25 +189,32 @@ class MedmnistSource(Source):
         except (OSError, ValueError) as exc:
             raise DataError(f"{self.path}: cannot read {key}: {exc}") from exc
         if raw.ndim == 2 and raw.shape[1] > 1:
-            raise DataError(f"{self.path}: {key} has shape {raw.shape}: multi-label data is not "
-                            f"supported (need one class per image, shape (N,) or (N, 1))")
+            raise DataError(
+                f"{self.path}: {key} has shape {raw.shape}: multi-label data is not "
+                f"supported (need one class per image, shape (N,) or (N, 1))"
+            )
         if raw.ndim not in (1, 2):
             raise DataError(f"{self.path}: {key} has shape {raw.shape}; expected (N,) or (N, 1)")
         raw = raw.reshape(-1)
         if raw.dtype.kind not in "iubf":
             raise DataError(f"{self.path}: {key} must hold integer class indices, got dtype {raw.dtype}")
         if raw.dtype.kind == "f":  # float labels are fine when every one is a whole number
-            for bad, what in ((~np.isfinite(raw), "non-finite (inf or NaN)"),
-                              (np.isfinite(raw) & (raw != np.round(raw)), "non-integer")):
+            for bad, what in (
+                (~np.isfinite(raw), "non-finite (inf or NaN)"),
+                (np.isfinite(raw) & (raw != np.round(raw)), "non-integer"),
+            ):
                 if bad.any():
-                    raise DataError(f"{self.path}: {key} must hold integer class indices; {bad.sum()} label(s) "
-                                    f"are {what}, e.g. {raw[bad][:3].tolist()} (rows "
-                                    f"{list_rows([str(r) for r in np.flatnonzero(bad)], 5)})")
+                    raise DataError(
+                        f"{self.path}: {key} must hold integer class indices; {bad.sum()} label(s) "
+                        f"are {what}, e.g. {raw[bad][:3].tolist()} (rows "
+                        f"{list_rows([str(r) for r in np.flatnonzero(bad)], 5)})"
+                    )
         if raw.size and raw.min() < 0:
             raise DataError(f"{self.path}: {key} has negative label(s), e.g. {int(raw.min())}")
         if raw.size and raw.max() > MAX_LABEL:
-            raise DataError(f"{self.path}: {key} has label(s) too large to be class indices (at most {MAX_LABEL}), "
-                            f"e.g. {raw.max()}")
+            raise DataError(
+                f"{self.path}: {key} has label(s) too large to be class indices (at most {MAX_LABEL}), e.g. {raw.max()}"
+            )
         return raw.astype(np.int64)
 
     @cached_property
@@ -231,21 +225,23 @@ class MedmnistSource(Source):
             for key, expected in zip(self.IMAGE_KEYS, self.split_sizes):
                 images = npz[key]
                 if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
-                    raise DataError(f"{self.path}: {key} has shape {images.shape}; "
-                                    f"expected (N, H, W) or (N, H, W, 3)")
+                    raise DataError(f"{self.path}: {key} has shape {images.shape}; expected (N, H, W) or (N, H, W, 3)")
                 if len(images) != expected:
-                    raise DataError(f"{self.path}: {key} has {len(images)} images but "
-                                    f"{key.replace('images', 'labels')} has {expected} labels")
+                    raise DataError(
+                        f"{self.path}: {key} has {len(images)} images but "
+                        f"{key.replace('images', 'labels')} has {expected} labels"
+                    )
                 if images.dtype != np.uint8:
                     in_range = images.size == 0 or (images.min() >= 0 and images.max() <= 255)
                     if images.dtype.kind not in "iu" or not in_range:
-                        raise DataError(f"{self.path}: {key} must hold uint8 pixels (0..255), "
-                                        f"got {images.dtype}")
+                        raise DataError(f"{self.path}: {key} must hold uint8 pixels (0..255), got {images.dtype}")
                     images = images.astype(np.uint8)
                 parts.append(images)
         if len({p.shape[1:] for p in parts}) > 1:
-            raise DataError(f"{self.path}: image shapes differ between splits: "
-                            + ", ".join(f"{k} {p.shape[1:]}" for k, p in zip(self.IMAGE_KEYS, parts)))
+            raise DataError(
+                f"{self.path}: image shapes differ between splits: "
+                + ", ".join(f"{k} {p.shape[1:]}" for k, p in zip(self.IMAGE_KEYS, parts))
+            )
         pooled = np.concatenate(parts)
         pooled.setflags(write=False)
         return pooled
@@ -281,8 +277,10 @@ class CsvSource(Source):
         frame.columns = [str(c).strip() for c in frame.columns]
         missing = [c for c in ("path", "label") if c not in frame.columns]
         if missing:
-            raise DataError(f"{manifest}: missing required column(s) {', '.join(missing)}; "
-                            f"found columns: {', '.join(frame.columns)}")
+            raise DataError(
+                f"{manifest}: missing required column(s) {', '.join(missing)}; "
+                f"found columns: {', '.join(frame.columns)}"
+            )
         if frame.empty:
             raise DataError(f"{manifest}: manifest has a header but no rows")
         return frame.apply(lambda column: column.str.strip())
@@ -293,18 +291,25 @@ class CsvSource(Source):
     def _parse_labels(self, column: pd.Series) -> tuple[np.ndarray, tuple[str, ...]]:
         missing = column.isin(NA_LABELS).to_numpy()
         if missing.any():
-            raise DataError(f"{self.manifest}: missing label in {missing.sum()} row(s) (empty, or a missing-value "
-                            f"marker such as NaN, NA, None, null): " + list_rows(self._bad_rows(missing, column))
-                            + "; give every row its class (a class cannot be named like a missing value)")
+            raise DataError(
+                f"{self.manifest}: missing label in {missing.sum()} row(s) (empty, or a missing-value "
+                f"marker such as NaN, NA, None, null): "
+                + list_rows(self._bad_rows(missing, column))
+                + "; give every row its class (a class cannot be named like a missing value)"
+            )
         if column.str.fullmatch(r"[+-]?\d{1,9}").all():  # class indices (longer digit strings are names)
             labels = column.astype(np.int64).to_numpy()
             negative = labels < 0
             if negative.any():
-                raise DataError(f"{self.manifest}: negative label(s) in {negative.sum()} row(s): "
-                                + list_rows(self._bad_rows(negative, column)))
+                raise DataError(
+                    f"{self.manifest}: negative label(s) in {negative.sum()} row(s): "
+                    + list_rows(self._bad_rows(negative, column))
+                )
             if labels.max() > MAX_LABEL:
-                raise DataError(f"{self.manifest}: label(s) too large to be class indices (at most {MAX_LABEL}), "
-                                f"e.g. {labels.max()}")
+                raise DataError(
+                    f"{self.manifest}: label(s) too large to be class indices (at most {MAX_LABEL}), "
+                    f"e.g. {labels.max()}"
+                )
             return labels, default_class_names(int(labels.max()) + 1)
         names = tuple(sorted(column.unique()))
         self.labels_are_names = True
@@ -314,17 +319,21 @@ class CsvSource(Source):
         splits = column.str.lower()
         bad = (~splits.isin(SPLITS + ("",))).to_numpy()
         if bad.any():
-            raise DataError(f"{self.manifest}: split must be train, val, test or empty; "
-                            f"{bad.sum()} row(s) have other values: "
-                            + list_rows(self._bad_rows(bad, column)))
+            raise DataError(
+                f"{self.manifest}: split must be train, val, test or empty; "
+                f"{bad.sum()} row(s) have other values: " + list_rows(self._bad_rows(bad, column))
+            )
         return splits.to_numpy(dtype=str)
 
     def _parse_groups(self, column: pd.Series) -> np.ndarray:
         missing = column.isin(NA_LABELS).to_numpy()
         if missing.any():
-            raise DataError(f"{self.manifest}: the group column (patient, case or video of a row) is empty in "
-                            f"{missing.sum()} row(s): " + list_rows(self._bad_rows(missing, column))
-                            + "; give every row its group, or drop the column")
+            raise DataError(
+                f"{self.manifest}: the group column (patient, case or video of a row) is empty in "
+                f"{missing.sum()} row(s): "
+                + list_rows(self._bad_rows(missing, column))
+                + "; give every row its group, or drop the column"
+            )
         return column.to_numpy(dtype=str)
 
     def _resolve_paths(self, column: pd.Series) -> list[str]:
@@ -333,14 +342,18 @@ class CsvSource(Source):
         base = self.manifest.parent
         escaping = np.array([escapes_folder(p) for p in column])
         if escaping.any():
-            raise DataError(f"{self.manifest}: {escaping.sum()} image path(s) leave the manifest's folder (absolute "
-                            f"paths and '..' climbing out of it are refused; write paths relative to {base}): "
-                            + list_rows(self._bad_rows(escaping, column)))
+            raise DataError(
+                f"{self.manifest}: {escaping.sum()} image path(s) leave the manifest's folder (absolute "
+                f"paths and '..' climbing out of it are refused; write paths relative to {base}): "
+                + list_rows(self._bad_rows(escaping, column))
+            )
         paths = [str(base / p) if p else "" for p in column]
         missing = np.array([not (p and Path(p).is_file()) for p in paths])
         if missing.any():
-            raise DataError(f"{self.manifest}: {missing.sum()} image file(s) not found (paths are "
-                            f"relative to {base}): " + list_rows(self._bad_rows(missing, column)))
+            raise DataError(
+                f"{self.manifest}: {missing.sum()} image file(s) not found (paths are "
+                f"relative to {base}): " + list_rows(self._bad_rows(missing, column))
+            )
         return paths
 
     def sites(self, num_partitions: int) -> np.ndarray | None:
@@ -350,8 +363,14 @@ class CsvSource(Source):
         return f"line {self.lines[row]}"
 
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
-        return ImageFileDataset([self.paths[r] for r in rows], self.labels[rows], self.lines[rows],
-                                spec.img_size, str(self.manifest), spec.intensity)
+        return ImageFileDataset(
+            [self.paths[r] for r in rows],
+            self.labels[rows],
+            self.lines[rows],
+            spec.img_size,
+            str(self.manifest),
+            spec.intensity,
+        )
 
 
 class SegFolderSource(Source):
@@ -390,11 +409,19 @@ class SegFolderSource(Source):
 
     def dataset(self, rows: np.ndarray, partition_id: int, spec: DataSpec) -> Dataset:
         if parse_mask_values(spec.mask_values) != self.mask_map:
-            raise DataError(f"{self.name} was opened with mask-values {self.mask_values!r} but the spec has "
-                            f"{spec.mask_values!r} (the source's key must include mask-values)")
+            raise DataError(
+                f"{self.name} was opened with mask-values {self.mask_values!r} but the spec has "
+                f"{spec.mask_values!r} (the source's key must include mask-values)"
+            )
         masks = [self.folder.mask_sets[r] if self.folder.structures else self.folder.mask_sets[r][0] for r in rows]
-        return SegFileDataset([self.folder.images[r] for r in rows], masks, self.labels[rows], spec.img_size,
-                              intensity=spec.intensity, mask_map=self.mask_map)
+        return SegFileDataset(
+            [self.folder.images[r] for r in rows],
+            masks,
+            self.labels[rows],
+            spec.img_size,
+            intensity=spec.intensity,
+            mask_map=self.mask_map,
+        )
 
 
 def escapes_folder(path: str) -> bool:
@@ -414,13 +441,18 @@ def medmnist_path(flag: str, data_dir: str, img_size: int) -> Path:
     exact = folder / f"{flag}.npz"
     if exact.is_file():
         return exact
-    sized = {int(m.group(1)): p for p in folder.glob(f"{flag}_*.npz")
-             if (m := re.fullmatch(rf"{re.escape(flag)}_(\d+)\.npz", p.name)) and p.is_file()}
+    sized = {
+        int(m.group(1)): p
+        for p in folder.glob(f"{flag}_*.npz")
+        if (m := re.fullmatch(rf"{re.escape(flag)}_(\d+)\.npz", p.name)) and p.is_file()
+    }
     if sized:
         large_enough = [s for s in sized if s >= img_size]
         return sized[min(large_enough) if large_enough else max(sized)]
-    raise DataError(f"medmnist:{flag}: file {exact} not found (nor {flag}_<size>.npz) in "
-                    f"data_dir {data_dir!r} (absolute: {folder.resolve()})")
+    raise DataError(
+        f"medmnist:{flag}: file {exact} not found (nor {flag}_<size>.npz) in "
+        f"data_dir {data_dir!r} (absolute: {folder.resolve()})"
+    )
 
 
 def source_key(spec: DataSpec) -> tuple:
@@ -440,11 +472,20 @@ def source_key(spec: DataSpec) -> tuple:
         root = Path(arg).expanduser().resolve()
         return (kind, arg, str(root), *segfolder.fingerprint(root), spec.mask_values)
     if kind == "volumes":  # rows are decoded, resized and filtered slices: the settings that change them count too
-        from . import volumes  # imports this module
-
         root = Path(arg).expanduser().resolve()
-        return (kind, arg, str(root), *volumes.fingerprint(root), spec.img_size, spec.intensity, spec.slice_axis,
-                spec.empty_slices, spec.mask_values, spec.seed, spec.cache_dir)
+        return (
+            kind,
+            arg,
+            str(root),
+            *volumes.fingerprint(root),
+            spec.img_size,
+            spec.intensity,
+            spec.slice_axis,
+            spec.empty_slices,
+            spec.mask_values,
+            spec.seed,
+            spec.cache_dir,
+        )
     if kind == "medmnist":
         path = medmnist_path(arg, spec.data_dir, spec.img_size).resolve()
     else:
@@ -466,10 +507,8 @@ def open_source_by_key(key: tuple) -> Source:
     if kind == "segfolder":
         return SegFolderSource(Path(key[2]), key[5])
     if kind == "volumes":
-        from .volumes import VolumeSource  # imports this module
-
         # img_size, intensity, slice_axis, empty_slices, mask_values, seed, cache_dir
-        return VolumeSource(Path(key[2]), *key[5:])
+        return volumes.VolumeSource(Path(key[2]), *key[5:])
     if kind == "medmnist":
         return MedmnistSource(key[1], Path(key[2]))
     return CsvSource(Path(key[2]))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .errors import DataError
+from .maskmap import parse_mask_values
+
 SOURCE_KINDS = ("synthetic", "medmnist", "csv", "synthetic-seg", "segfolder", "volumes")
 ARGLESS_KINDS = ("synthetic", "synthetic-seg")  # kinds written without ":<argument>"
 SEGMENTATION_KINDS = ("synthetic-seg", "segfolder", "volumes")
@@ -17,8 +20,12 @@ MAX_LISTED_ROWS = 10
 def supported_partitions(kind: str) -> tuple[str, ...]:
     """The partitions a source kind can make. Segmentation sources have no class label to skew by; a csv
     manifest supports 'natural' only with a site column, which only reading it tells."""
-    return tuple(p for p in PARTITIONS if not (kind in SEGMENTATION_KINDS and p in LABEL_PARTITIONS)
-                 and not (kind in SITELESS_KINDS and p == "natural"))
+    return tuple(
+        p
+        for p in PARTITIONS
+        if not (kind in SEGMENTATION_KINDS and p in LABEL_PARTITIONS)
+        and not (kind in SITELESS_KINDS and p == "natural")
+    )
 
 
 def unsupported_partition(dataset: str, partition: str) -> str | None:
@@ -28,13 +35,12 @@ def unsupported_partition(dataset: str, partition: str) -> str | None:
     valid = supported_partitions(kind)
     if partition in valid:
         return None
-    why = ("is a segmentation source (no class label to skew by)" if kind in SEGMENTATION_KINDS
-           else "has no site per row, which partition 'natural' needs")
+    why = (
+        "is a segmentation source (no class label to skew by)"
+        if kind in SEGMENTATION_KINDS
+        else "has no site per row, which partition 'natural' needs"
+    )
     return f"dataset {dataset!r} {why}; valid choices are {', '.join(valid)}"
-
-
-class DataError(ValueError):
-    """Data that is missing or malformed; the message names the file and the problem."""
 
 
 def list_rows(items: list[str], limit: int = MAX_LISTED_ROWS) -> str:
@@ -80,8 +86,10 @@ class DataSpec:
         problems = []
         kind, _, arg = self.dataset.partition(":")
         if kind not in SOURCE_KINDS or (kind in ARGLESS_KINDS) == bool(arg):
-            problems.append(f"dataset {self.dataset!r} is not one of synthetic, medmnist:<flag>, "
-                            "csv:<manifest>, synthetic-seg, segfolder:<root>, volumes:<root>")
+            problems.append(
+                f"dataset {self.dataset!r} is not one of synthetic, medmnist:<flag>, "
+                "csv:<manifest>, synthetic-seg, segfolder:<root>, volumes:<root>"
+            )
         if self.partition not in PARTITIONS:
             problems.append(f"partition {self.partition!r} is not one of {', '.join(PARTITIONS)}")
         if not self.dirichlet_alpha > 0:
@@ -89,23 +97,24 @@ class DataSpec:
         if self.pathological_k < 1:
             problems.append(f"pathological_k must be >= 1, got {self.pathological_k}")
         if self.qbli_classes < 1 or self.classes_per_task < 1:
-            problems.append(f"qbli_classes and classes_per_task must be >= 1, got {self.qbli_classes} and "
-                            f"{self.classes_per_task}")
+            problems.append(
+                f"qbli_classes and classes_per_task must be >= 1, got {self.qbli_classes} and {self.classes_per_task}"
+            )
         if not (0 <= self.val_fraction < 1 and 0 <= self.test_fraction < 1):
             problems.append("val_fraction and test_fraction must be in [0, 1)")
         elif self.val_fraction + self.test_fraction >= 1:
-            problems.append("val_fraction + test_fraction must be < 1, "
-                            f"got {self.val_fraction} + {self.test_fraction}")
+            problems.append(f"val_fraction + test_fraction must be < 1, got {self.val_fraction} + {self.test_fraction}")
         if self.img_size < 1:
             problems.append(f"img_size must be >= 1, got {self.img_size}")
-        for name, parse in (("intensity", parse_intensity), ("empty_slices", parse_empty_slices),
-                            ("augment", parse_augment)):
+        for name, parse in (
+            ("intensity", parse_intensity),
+            ("empty_slices", parse_empty_slices),
+            ("augment", parse_augment),
+        ):
             try:
                 parse(getattr(self, name))
             except ValueError as exc:
                 problems.append(f"{name} {getattr(self, name)!r}: {exc}")
-        from .maskmap import parse_mask_values  # maskmap imports DataError from here
-
         try:
             parse_mask_values(self.mask_values)
         except ValueError as exc:

@@ -76,8 +76,16 @@ def synthetic_pool(seed: int, size: int, num_classes: int) -> SyntheticPool:
         blob_strength=rng.choice([-1.0, 1.0], size) * rng.uniform(0.15, 0.4, size),
         class_names=tuple(f"class-{c}" for c in range(num_classes)),
     )
-    for array in (pool.labels, pool.angle, pool.cycles, pool.phase, pool.amplitude,
-                  pool.blob_xy, pool.blob_radius, pool.blob_strength):
+    for array in (
+        pool.labels,
+        pool.angle,
+        pool.cycles,
+        pool.phase,
+        pool.amplitude,
+        pool.blob_xy,
+        pool.blob_radius,
+        pool.blob_strength,
+    ):
         array.setflags(write=False)
     return pool
 
@@ -95,19 +103,21 @@ def site_style(seed: int, partition_id: int) -> SiteStyle:
     )
 
 
-def render(pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size: int,
-           noise_key: tuple[int, ...]) -> np.ndarray:
+def render(
+    pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size: int, noise_key: tuple[int, ...]
+) -> np.ndarray:
     """Images of pool ``rows`` in ``style`` as uint8 (n, size, size, 3); noise seeded by ``noise_key``."""
     rng = np.random.default_rng([_NOISE_TAG, *noise_key])
     out = np.empty((len(rows), size, size, 3), dtype=np.uint8)
     for start in range(0, len(rows), _RENDER_CHUNK):
-        chunk = rows[start:start + _RENDER_CHUNK]
-        out[start:start + len(chunk)] = _render_chunk(pool, chunk, style, size, rng)
+        chunk = rows[start : start + _RENDER_CHUNK]
+        out[start : start + len(chunk)] = _render_chunk(pool, chunk, style, size, rng)
     return out
 
 
-def _render_chunk(pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size: int,
-                  rng: np.random.Generator) -> np.ndarray:
+def _render_chunk(
+    pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size: int, rng: np.random.Generator
+) -> np.ndarray:
     coords = (np.arange(size, dtype=np.float32) + 0.5) / size
     x, y = coords[None, None, :], coords[None, :, None]
 
@@ -117,7 +127,8 @@ def _render_chunk(pool: SyntheticPool, rows: np.ndarray, style: SiteStyle, size:
     angle = per_sample(pool.angle)
     along = x * np.cos(angle) + y * np.sin(angle)
     gray = 0.5 + 0.4 * per_sample(pool.amplitude) * np.sin(
-        2 * np.pi * per_sample(pool.cycles) * along + per_sample(pool.phase))
+        2 * np.pi * per_sample(pool.cycles) * along + per_sample(pool.phase)
+    )
     blob_x, blob_y = (pool.blob_xy[rows, i].astype(np.float32)[:, None, None] for i in (0, 1))
     dist2 = (x - blob_x) ** 2 + (y - blob_y) ** 2
     gray += per_sample(pool.blob_strength) * np.exp(-dist2 / (2 * per_sample(pool.blob_radius) ** 2))

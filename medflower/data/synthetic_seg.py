@@ -30,8 +30,17 @@ NUM_WAVES = 3  # background gratings per sample
 _POOL_TAG, _LOOK_TAG, _NOISE_TAG = 1801, 1802, 1803  # keep the random streams apart
 _RENDER_CHUNK = 256
 
-__all__ = ["CLASS_NAMES", "MAX_RENDER_SIZE", "SegLook", "SegPool", "render", "render_site",
-           "seg_look", "seg_pool", "write_segfolder"]
+__all__ = [
+    "CLASS_NAMES",
+    "MAX_RENDER_SIZE",
+    "SegLook",
+    "SegPool",
+    "render",
+    "render_site",
+    "seg_look",
+    "seg_pool",
+    "write_segfolder",
+]
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,9 @@ def seg_pool(seed: int, size: int) -> SegPool:
     inside = rng.random(size) < 0.65
     offset = rng.uniform(-0.5, 0.5, (size, 2)) * ellipse_axes
     cos, sin = np.cos(ellipse_angle), np.sin(ellipse_angle)
-    in_organ = ellipse_xy + np.stack([offset[:, 0] * cos - offset[:, 1] * sin,
-                                      offset[:, 0] * sin + offset[:, 1] * cos], axis=1)
+    in_organ = ellipse_xy + np.stack(
+        [offset[:, 0] * cos - offset[:, 1] * sin, offset[:, 0] * sin + offset[:, 1] * cos], axis=1
+    )
     rectangle_xy = np.clip(np.where(inside[:, None], in_organ, rng.uniform(0.15, 0.85, (size, 2))), 0.1, 0.9)
     amplitude = rng.uniform(0.3, 1.0, (size, NUM_WAVES))
     pool = SegPool(
@@ -130,30 +140,40 @@ def seg_look(seed: int, style_id: int) -> SegLook:
     )
 
 
-def render(pool: SegPool, rows: np.ndarray, style: SiteStyle, look: SegLook, size: int,
-           noise_key: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def render(
+    pool: SegPool, rows: np.ndarray, style: SiteStyle, look: SegLook, size: int, noise_key: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 images (n, size, size, 3), uint8 masks (n, size, size) with 0/1/2) of pool ``rows``."""
     rows = np.asarray(rows, dtype=np.int64)
     rng = np.random.default_rng([_NOISE_TAG, *noise_key])
     images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
     masks = np.empty((len(rows), size, size), dtype=np.uint8)
     for start in range(0, len(rows), _RENDER_CHUNK):
-        chunk = rows[start:start + _RENDER_CHUNK]
-        images[start:start + len(chunk)], masks[start:start + len(chunk)] = _render_chunk(
-            pool, chunk, style, look, size, rng)
+        chunk = rows[start : start + _RENDER_CHUNK]
+        images[start : start + len(chunk)], masks[start : start + len(chunk)] = _render_chunk(
+            pool, chunk, style, look, size, rng
+        )
     return images, masks
 
 
-def render_site(seed: int, style_id: int, rows: np.ndarray, pool_size: int, size: int,
-                noise_key: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def render_site(
+    seed: int, style_id: int, rows: np.ndarray, pool_size: int, size: int, noise_key: tuple[int, ...] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows of the ``(seed, pool_size)`` pool as drawn by a site of style ``style_id`` (at most 64 px)."""
     size = min(size, MAX_RENDER_SIZE)
-    return render(seg_pool(seed, pool_size), rows, site_style(seed, style_id), seg_look(seed, style_id),
-                  size, noise_key if noise_key is not None else (seed, style_id))
+    return render(
+        seg_pool(seed, pool_size),
+        rows,
+        site_style(seed, style_id),
+        seg_look(seed, style_id),
+        size,
+        noise_key if noise_key is not None else (seed, style_id),
+    )
 
 
-def _render_chunk(pool: SegPool, rows: np.ndarray, style: SiteStyle, look: SegLook, size: int,
-                  rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _render_chunk(
+    pool: SegPool, rows: np.ndarray, style: SiteStyle, look: SegLook, size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     coords = (np.arange(size, dtype=np.float32) + 0.5) / size
     x, y = coords[None, None, :], coords[None, :, None]
 
@@ -168,29 +188,29 @@ def _render_chunk(pool: SegPool, rows: np.ndarray, style: SiteStyle, look: SegLo
     for w in range(NUM_WAVES):
         u, _ = along(per_sample(pool.wave_angle[:, w]))
         texture += per_sample(pool.wave_amplitude[:, w]) * np.sin(
-            2 * np.pi * per_sample(pool.wave_cycles[:, w]) * u + per_sample(pool.wave_phase[:, w]))
+            2 * np.pi * per_sample(pool.wave_cycles[:, w]) * u + per_sample(pool.wave_phase[:, w])
+        )
     blob2 = (x - per_sample(pool.blob_xy[:, 0])) ** 2 + (y - per_sample(pool.blob_xy[:, 1])) ** 2
-    texture += 0.6 * per_sample(pool.blob_strength) * np.exp(-blob2 / (2 * 0.08 ** 2))
+    texture += 0.6 * per_sample(pool.blob_strength) * np.exp(-blob2 / (2 * 0.08**2))
     gray = look.background_level + look.background_texture * texture
 
     u, _ = along(look.texture_angle)
-    object_texture = look.object_texture * np.sin(2 * np.pi * look.texture_cycles * u
-                                                  + per_sample(pool.texture_phase))
+    object_texture = look.object_texture * np.sin(2 * np.pi * look.texture_cycles * u + per_sample(pool.texture_phase))
     softness = look.edge_softness / 32  # in image widths
 
     def coverage(depth: np.ndarray) -> np.ndarray:  # depth: about the distance inside the edge
         return 1 / (1 + np.exp(-np.clip(depth / softness, -30, 30)))
 
-    u, v = along(per_sample(pool.ellipse_angle), per_sample(pool.ellipse_xy[:, 0]),
-                 per_sample(pool.ellipse_xy[:, 1]))
+    u, v = along(per_sample(pool.ellipse_angle), per_sample(pool.ellipse_xy[:, 0]), per_sample(pool.ellipse_xy[:, 1]))
     a, b = per_sample(pool.ellipse_axes[:, 0]), per_sample(pool.ellipse_axes[:, 1])
     radius = np.sqrt((u / a) ** 2 + (v / b) ** 2)
     in_ellipse = radius < 1
     cover = coverage((1 - radius) * np.minimum(a, b))
     gray = gray + cover * (look.ellipse_level + object_texture - gray)
 
-    u, v = along(per_sample(pool.rectangle_angle), per_sample(pool.rectangle_xy[:, 0]),
-                 per_sample(pool.rectangle_xy[:, 1]))
+    u, v = along(
+        per_sample(pool.rectangle_angle), per_sample(pool.rectangle_xy[:, 0]), per_sample(pool.rectangle_xy[:, 1])
+    )
     hx, hy = per_sample(pool.rectangle_half[:, 0]), per_sample(pool.rectangle_half[:, 1])
     extent = np.maximum(np.abs(u) / hx, np.abs(v) / hy)
     present = per_sample(pool.has_rectangle)

@@ -37,8 +37,9 @@ def parse_task_classes(text: str, class_names: Sequence[str]) -> list[int]:
             index = int(raw)
         else:
             shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-            raise DataError(f"task-classes: {raw!r} is neither a class name nor an index < {len(names)} "
-                            f"(classes: {shown})")
+            raise DataError(
+                f"task-classes: {raw!r} is neither a class name nor an index < {len(names)} (classes: {shown})"
+            )
         if index in order:
             raise DataError(f"task-classes: class {names[index]!r} appears twice")
         order.append(index)
@@ -53,8 +54,9 @@ def count_tasks(order: Sequence[int], requested: int) -> int:
     if requested == 0:
         return available
     if requested > available:
-        raise DataError(f"num-tasks = {requested} needs {requested + 1} classes in the task order, "
-                        f"but it has {len(order)}")
+        raise DataError(
+            f"num-tasks = {requested} needs {requested + 1} classes in the task order, but it has {len(order)}"
+        )
     return requested
 
 
@@ -96,9 +98,11 @@ def site_class_order(run_order: Sequence[int], own: str, class_names: Sequence[s
         raise DataError(f"{where}: {exc}") from exc
     if len(order) != len(run_order):
         names = list(class_names)
-        raise DataError(f"{where} lists {len(order)} classes but the run's task order has {len(run_order)} "
-                        f"({', '.join(names[c] for c in run_order)}); a site replaces a class it lacks by another, "
-                        "it does not drop it")
+        raise DataError(
+            f"{where} lists {len(order)} classes but the run's task order has {len(run_order)} "
+            f"({', '.join(names[c] for c in run_order)}); a site replaces a class it lacks by another, "
+            "it does not drop it"
+        )
     return order
 
 
@@ -144,25 +148,29 @@ def count_incremental_tasks(order: Sequence[int], classes_per_task: int, request
     """Tasks of ``classes_per_task`` classes in a run: ``requested``, or every full group when 0."""
     available = len(order) // classes_per_task
     if available == 0:
-        raise DataError(f"classes-per-task = {classes_per_task} is more than the {len(order)} classes of the "
-                        f"task order")
+        raise DataError(
+            f"classes-per-task = {classes_per_task} is more than the {len(order)} classes of the task order"
+        )
     if requested == 0:
         return available
     if requested > available:
-        raise DataError(f"num-tasks = {requested} with classes-per-task = {classes_per_task} needs "
-                        f"{requested * classes_per_task} classes in the task order, but it has {len(order)}")
+        raise DataError(
+            f"num-tasks = {requested} with classes-per-task = {classes_per_task} needs "
+            f"{requested * classes_per_task} classes in the task order, but it has {len(order)}"
+        )
     return requested
 
 
-def incremental_task(dataset: Dataset, order: Sequence[int], classes_per_task: int, task: int,
-                     seen: bool = False) -> TaskDataset:
+def incremental_task(
+    dataset: Dataset, order: Sequence[int], classes_per_task: int, task: int, seen: bool = False
+) -> TaskDataset:
     """Rows of task ``task`` (1-based: classes ``order[(t-1)C : tC]``), or with ``seen`` of every task up to it.
 
     Labels are positions in the class order (0 .. tC-1), so task t's classes are labels [(t-1)C, tC):
     one label space for the unified head and a contiguous block per task for AAC's heads.
     """
     first = 0 if seen else (task - 1) * classes_per_task
-    classes = [int(c) for c in order[first:task * classes_per_task]]
+    classes = [int(c) for c in order[first : task * classes_per_task]]
     position = {c: first + i for i, c in enumerate(classes)}
     labels = np.asarray(dataset.labels)
     rows = np.flatnonzero(np.isin(labels, classes))

@@ -40,12 +40,12 @@ import pandas as pd
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .base import NA_LABELS, SPLITS, Source
 from .cache import ArraySet, entry_digest, file_identity
 from .image_datasets import SegArrayDataset
 from .maskmap import parse_mask_values
 from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, load_volume, volume_intensity
 from .segfolder import MASK_SUFFIXES, MAX_MASK_CLASS, file_extension, file_stem, mask_classes, shown_values
-from .sources import NA_LABELS, SPLITS, Source
 from .spec import DataError, DataSpec, list_rows, parse_empty_slices
 
 CASES_TABLE = "cases.csv"
@@ -73,21 +73,26 @@ def find_cases(root: Path) -> list[tuple[str, Path, Path]]:
     for sub in ("images", "masks"):
         if not (root / sub).is_dir():
             found = ", ".join(p.name for p in sorted(root.iterdir())[:10]) or "nothing"
-            raise DataError(f"{root}: no {sub}/ folder; a volumes root holds images/ (NIfTI files or DICOM series "
-                            f"folders) and masks/ (NIfTI label volumes); found {found}")
+            raise DataError(
+                f"{root}: no {sub}/ folder; a volumes root holds images/ (NIfTI files or DICOM series "
+                f"folders) and masks/ (NIfTI label volumes); found {found}"
+            )
     images = _named(root / "images", folders=True)
     masks = _named(root / "masks", folders=False, suffixes=MASK_SUFFIXES, cases=images)
     if not images:
-        raise DataError(f"{root / 'images'}: no volumes (.nii, .nii.gz, multi-frame .dcm, or one folder of DICOM "
-                        "files per case)")
+        raise DataError(
+            f"{root / 'images'}: no volumes (.nii, .nii.gz, multi-frame .dcm, or one folder of DICOM files per case)"
+        )
     problems = []
     if missing := sorted(set(images) - set(masks)):
         problems.append(f"{len(missing)} case(s) without a label volume in masks/: {list_rows(missing)}")
     if orphans := sorted(set(masks) - set(images)):
         problems.append(f"{len(orphans)} label volume(s) without an image in images/: {list_rows(orphans)}")
     if problems:
-        raise DataError(f"{root}: unpaired volumes ({'; '.join(problems)}); masks/<case>.nii[.gz] (optionally with a "
-                        f"suffix {' or '.join(MASK_SUFFIXES)}) pairs with images/<case>.nii[.gz] or images/<case>/")
+        raise DataError(
+            f"{root}: unpaired volumes ({'; '.join(problems)}); masks/<case>.nii[.gz] (optionally with a "
+            f"suffix {' or '.join(MASK_SUFFIXES)}) pairs with images/<case>.nii[.gz] or images/<case>/"
+        )
     return [(case, images[case], masks[case]) for case in sorted(images)]
 
 
@@ -120,28 +125,35 @@ def read_cases_table(root: Path, cases: list[str]) -> pd.DataFrame | None:
         raise DataError(f"{path}: cannot read the cases table: {exc}") from exc
     table.columns = [str(c).strip() for c in table.columns]
     if "case" not in table.columns:
-        raise DataError(f"{path}: no 'case' column; found columns: {', '.join(table.columns) or 'none'} (a cases "
-                        "table has case[,site][,split]; a site column of another name can be renamed to 'site')")
+        raise DataError(
+            f"{path}: no 'case' column; found columns: {', '.join(table.columns) or 'none'} (a cases "
+            "table has case[,site][,split]; a site column of another name can be renamed to 'site')"
+        )
     table = table.apply(lambda column: column.str.strip())
     if repeated := sorted(set(table["case"][table["case"].duplicated()])):
         raise DataError(f"{path}: case(s) listed twice: {list_rows(repeated)}")
     problems = []
     if without_files := sorted(set(table["case"]) - set(cases)):
-        problems.append(f"{len(without_files)} case(s) in the table have no files in images/ and masks/: "
-                        f"{list_rows(without_files)}")
+        problems.append(
+            f"{len(without_files)} case(s) in the table have no files in images/ and masks/: {list_rows(without_files)}"
+        )
     if without_row := sorted(set(cases) - set(table["case"])):
         problems.append(f"{len(without_row)} case(s) in images/ have no row in the table: {list_rows(without_row)}")
     if problems:
         raise DataError(f"{path}: the table and the folders disagree: {'; '.join(problems)}")
     table = table.set_index("case")
     if "site" in table and (blank := sorted(table.index[table["site"].isin(NA_LABELS)])):
-        raise DataError(f"{path}: the site column is empty for {len(blank)} case(s): {list_rows(blank)}; give every "
-                        "case its site, or drop the column")
+        raise DataError(
+            f"{path}: the site column is empty for {len(blank)} case(s): {list_rows(blank)}; give every "
+            "case its site, or drop the column"
+        )
     if "split" in table:
         table["split"] = table["split"].str.lower()
         if bad := sorted(table.index[~table["split"].isin(SPLITS + ("",))]):
-            raise DataError(f"{path}: split must be train, val, test or empty; {len(bad)} case(s) have other values: "
-                            f"{list_rows(bad)}")
+            raise DataError(
+                f"{path}: split must be train, val, test or empty; {len(bad)} case(s) have other values: "
+                f"{list_rows(bad)}"
+            )
     return table
 
 
@@ -183,8 +195,17 @@ class VolumeSource(Source):
 
     task = "segmentation"
 
-    def __init__(self, root: Path, img_size: int, intensity: str = "auto", slice_axis: int = 2,
-                 empty_slices: str = "keep", mask_values: str = "", seed: int = 0, cache_dir: str = "") -> None:
+    def __init__(
+        self,
+        root: Path,
+        img_size: int,
+        intensity: str = "auto",
+        slice_axis: int = 2,
+        empty_slices: str = "keep",
+        mask_values: str = "",
+        seed: int = 0,
+        cache_dir: str = "",
+    ) -> None:
         self.root = root
         self.name = f"volumes:{root}"
         self.img_size, self.intensity, self.slice_axis = img_size, intensity, slice_axis
@@ -214,15 +235,19 @@ class VolumeSource(Source):
             self.class_names = value_map.structures
         else:
             num_classes = max(1, int(rows["largest"]))
-            self.class_names = ("foreground",) if num_classes == 1 else tuple(
-                f"class-{c}" for c in range(1, num_classes + 1))
-        self.site_values = (table.loc[self.cases, "site"].to_numpy(dtype=str)
-                            if table is not None and "site" in table else None)
-        self.splits = (table.loc[self.cases, "split"].to_numpy(dtype=str)
-                       if table is not None and "split" in table else None)
+            self.class_names = (
+                ("foreground",) if num_classes == 1 else tuple(f"class-{c}" for c in range(1, num_classes + 1))
+            )
+        self.site_values = (
+            table.loc[self.cases, "site"].to_numpy(dtype=str) if table is not None and "site" in table else None
+        )
+        self.splits = (
+            table.loc[self.cases, "split"].to_numpy(dtype=str) if table is not None and "split" in table else None
+        )
 
-    def _decode(self, found: list[tuple[str, Path, Path]], value_map, keep_empty: float, seed: int,
-                empty_slices: str) -> dict[str, np.ndarray]:
+    def _decode(
+        self, found: list[tuple[str, Path, Path]], value_map, keep_empty: float, seed: int, empty_slices: str
+    ) -> dict[str, np.ndarray]:
         """The rows of every case, read from its volumes (arrays named as ``CACHED_ROWS``)."""
         images, masks, labels, cases, slices = [], [], [], [], []
         largest = 0
@@ -236,24 +261,36 @@ class VolumeSource(Source):
             cases += [case] * len(kept)
             slices.append(kept)
         if not cases:
-            raise DataError(f"{self.root}: no slice is left (empty-slices {empty_slices!r} dropped every slice without "
-                            "foreground, and no slice has any)")
-        return {"gray": np.concatenate(images), "masks": np.concatenate(masks), "labels": np.concatenate(labels),
-                "cases": np.array(cases, dtype=str), "slices": np.concatenate(slices).astype(np.int64),
-                "largest": np.array(largest, dtype=np.int64)}
+            raise DataError(
+                f"{self.root}: no slice is left (empty-slices {empty_slices!r} dropped every slice without "
+                "foreground, and no slice has any)"
+            )
+        return {
+            "gray": np.concatenate(images),
+            "masks": np.concatenate(masks),
+            "labels": np.concatenate(labels),
+            "cases": np.array(cases, dtype=str),
+            "slices": np.concatenate(slices).astype(np.int64),
+            "largest": np.array(largest, dtype=np.int64),
+        }
 
-    def _read_case(self, image_path: Path, mask_path: Path, value_map) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                                 int]:
+    def _read_case(
+        self, image_path: Path, mask_path: Path, value_map
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """(uint8 image slices (n, S, S), uint8 mask slices, foreground per slice, largest class index) of one case."""
         volume = load_volume(image_path)
         labels = load_volume(mask_path).array
         if labels.shape != volume.array.shape:
-            raise DataError(f"{mask_path}: label volume of shape {labels.shape} does not match its image {image_path} "
-                            f"of shape {volume.array.shape}")
+            raise DataError(
+                f"{mask_path}: label volume of shape {labels.shape} does not match its image {image_path} "
+                f"of shape {volume.array.shape}"
+            )
         whole = np.isfinite(labels) & (labels == np.round(labels))
         if not whole.all():
-            raise DataError(f"{mask_path}: label values must be whole numbers; {int((~whole).sum())} voxel(s) are not, "
-                            f"e.g. {np.unique(labels[~whole])[:5].tolist()}")
+            raise DataError(
+                f"{mask_path}: label values must be whole numbers; {int((~whole).sum())} voxel(s) are not, "
+                f"e.g. {np.unique(labels[~whole])[:5].tolist()}"
+            )
         small = labels.size and labels.min() >= 0 and labels.max() <= 255  # uint8 labels count their values quickly
         labels = labels.astype(np.uint8 if small else np.int64)
         pixels = volume_intensity(volume, self.intensity)
@@ -267,16 +304,19 @@ class VolumeSource(Source):
         else:
             classes = mask_classes(labels)
             if classes is None:
-                raise DataError(f"{mask_path}: label values {shown_values(labels)} are neither binary (0/255 or 0/1) "
-                                f"nor class indices 0..{MAX_MASK_CLASS} (0 = background); set mask-values to map them")
+                raise DataError(
+                    f"{mask_path}: label values {shown_values(labels)} are neither binary (0/255 or 0/1) "
+                    f"nor class indices 0..{MAX_MASK_CLASS} (0 = background); set mask-values to map them"
+                )
             per_slice = np.moveaxis(classes, axis, 0)  # (n, a, b)
             foreground = per_slice.reshape(len(per_slice), -1).any(axis=1)
             top = int(classes.max(initial=0))
         size = (self.img_size, self.img_size)
         image_slices = np.stack([_resized(s, size, Image.Resampling.BILINEAR) for s in np.moveaxis(pixels, axis, 0)])
         if per_slice.ndim == 4:
-            mask_slices = np.stack([np.stack([_resized(p, size, Image.Resampling.NEAREST) for p in planes_k])
-                                    for planes_k in per_slice])
+            mask_slices = np.stack(
+                [np.stack([_resized(p, size, Image.Resampling.NEAREST) for p in planes_k]) for planes_k in per_slice]
+            )
         else:
             mask_slices = np.stack([_resized(s, size, Image.Resampling.NEAREST) for s in per_slice])
         return image_slices, mask_slices, foreground, top
@@ -298,8 +338,9 @@ def _volume_identity(root: Path) -> str:
     return file_identity([path for path in list_files(root) if path.name != CASES_TABLE or path.parent != root])
 
 
-def _cache_entry(cache_dir: str, root: Path, found: list[tuple[str, Path, Path]], identity: str,
-                 settings: tuple) -> ArraySet:
+def _cache_entry(
+    cache_dir: str, root: Path, found: list[tuple[str, Path, Path]], identity: str, settings: tuple
+) -> ArraySet:
     """The cache entry of these cases' rows: named by the case names and files (names as found, and ``identity``:
     what they resolve to, sizes, modification times) and the settings that change the rows."""
     named = tuple((case, image.name, mask.name) for case, image, mask in found)
@@ -321,12 +362,24 @@ class _RowCheck:
         n, size = len(labels), (self.img_size, self.img_size)
         mask_shape = (n, *size) if self.planes is None else (n, self.planes, *size)
         return bool(
-            n > 0 and labels.shape == (n,) and labels.dtype == np.int64 and np.isin(labels, (0, 1)).all()
-            and gray.shape == (n, *size) and gray.dtype == np.uint8
-            and masks.shape == mask_shape and masks.dtype == np.uint8
-            and names.shape == (n,) and names.dtype.kind == "U" and set(np.unique(names)) <= self.cases
-            and slices.shape == (n,) and slices.dtype == np.int64 and (slices >= 0).all()
-            and largest.shape == () and largest.dtype == np.int64 and 0 <= int(largest) <= MAX_MASK_CLASS)
+            n > 0
+            and labels.shape == (n,)
+            and labels.dtype == np.int64
+            and np.isin(labels, (0, 1)).all()
+            and gray.shape == (n, *size)
+            and gray.dtype == np.uint8
+            and masks.shape == mask_shape
+            and masks.dtype == np.uint8
+            and names.shape == (n,)
+            and names.dtype.kind == "U"
+            and set(np.unique(names)) <= self.cases
+            and slices.shape == (n,)
+            and slices.dtype == np.int64
+            and (slices >= 0).all()
+            and largest.shape == ()
+            and largest.dtype == np.int64
+            and 0 <= int(largest) <= MAX_MASK_CLASS
+        )
 
 
 def _stored(entry: ArraySet, rows: dict[str, np.ndarray], check: _RowCheck, cache_dir: str) -> dict[str, np.ndarray]:
@@ -335,8 +388,9 @@ def _stored(entry: ArraySet, rows: dict[str, np.ndarray], check: _RowCheck, cach
     try:
         entry.store(rows)
     except OSError as exc:
-        warnings.warn(f"{cache_dir}: decoded-volume cache not written ({exc}); keeping the slices in memory",
-                      stacklevel=3)
+        warnings.warn(
+            f"{cache_dir}: decoded-volume cache not written ({exc}); keeping the slices in memory", stacklevel=3
+        )
         return rows
     return entry.load(check) or rows
 
@@ -352,4 +406,3 @@ def _kept_slices(foreground: np.ndarray, keep_empty: float, seed: tuple[int, int
     count = int(round(keep_empty * len(empty)))
     chosen = np.random.default_rng(list(seed)).choice(empty, size=count, replace=False) if count < len(empty) else empty
     return np.sort(np.concatenate([np.flatnonzero(foreground), chosen])).astype(np.int64)
-

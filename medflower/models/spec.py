@@ -48,8 +48,6 @@ class ModelSpec:
         # Accept "qkv,fc2" strings and lists (run configs) but keep the spec hashable; "" means default.
         targets = self.adapter_targets.split(",") if isinstance(self.adapter_targets, str) else self.adapter_targets
         object.__setattr__(self, "adapter_targets", tuple(t.strip() for t in targets if t.strip()))
-        from .unet import check_unet_spec, is_unet  # imported here: unet.py builds on adapted.py, which imports this
-
         unet = is_unet(self.backbone)  # U-Net baselines (models/unet.py) are smp models, not timm backbones
         if not unet:
             resolve_backbone(self.backbone)
@@ -87,3 +85,53 @@ class ModelSpec:
 def _check(ok: bool, field: str, value: object, valid: str) -> None:
     if not ok:
         raise ModelError(f"{field}={value!r} is invalid; it must be {valid}")
+
+
+# ----- U-Net baselines (models/unet.py builds them): the facts a spec is checked against
+ADAPTER = "full"  # the only adapter of a U-Net: every parameter trains
+OUTPUT_STRIDE = 32  # 5 downsamplings: inputs must be divisible by 32
+RESNET_DEPTHS = (18, 34, 50, 101, 152)
+# run-config backbone -> smp encoder
+UNET_ENCODERS: dict[str, str] = {
+    "unet": "vgg13_bn",
+    "resunet": "resnet34",
+    **{f"resunet-{d}": f"resnet{d}" for d in RESNET_DEPTHS},
+}
+UNET_BACKBONES = tuple(UNET_ENCODERS)
+
+
+def is_unet(backbone: object) -> bool:
+    """True for a U-Net baseline backbone name (``unet``, ``resunet``, ``resunet-<depth>``)."""
+    return isinstance(backbone, str) and backbone in UNET_ENCODERS
+
+
+def check_unet_spec(spec: ModelSpec) -> None:
+    """Refuse what a U-Net baseline cannot be: ModelError naming the field and the valid value."""
+    name = spec.backbone
+    if spec.task != "segmentation":
+        raise ModelError(f"backbone {name!r} is a segmentation model; it needs task='segmentation', got {spec.task!r}")
+    if spec.adapter != ADAPTER:
+        raise ModelError(
+            f"backbone {name!r} trains every parameter: its adapter is {ADAPTER!r} (leave the run config's adapter "
+            f"unset or set it to {ADAPTER!r}), got adapter={spec.adapter!r}"
+        )
+    if spec.weights not in ("none", "auto"):
+        raise ModelError(
+            f"backbone {name!r} starts from a seeded random init; weights must be 'none' or 'auto' (both random), "
+            f"got {spec.weights!r}"
+        )
+    if spec.patch_size:
+        raise ModelError(f"patch_size={spec.patch_size} applies to ViTs only; backbone {name!r} needs patch_size=0")
+    if spec.head != "linear":
+        raise ModelError(f"backbone {name!r} has its own segmentation head; head must be 'linear', got {spec.head!r}")
+    check_img_size(name, spec.img_size)
+
+
+def check_img_size(name: str, size: int) -> None:
+    if size % OUTPUT_STRIDE:
+        low = size // OUTPUT_STRIDE * OUTPUT_STRIDE
+        hint = f"{low} or {low + OUTPUT_STRIDE}" if low else str(OUTPUT_STRIDE)
+        raise ModelError(
+            f"img_size={size} is not divisible by {OUTPUT_STRIDE}: backbone {name!r} downsamples 5 times, so its "
+            f"input must be a multiple of {OUTPUT_STRIDE} (e.g. {hint})"
+        )

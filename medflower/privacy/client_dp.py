@@ -168,7 +168,7 @@ def privatise_train_reply(
     the update of the arrays it ``received``. A reply without arrays (metrics only) is left as it is."""
     if cfg.dp == "none" or "arrays" not in content.array_records:
         return content
-    from ..strategies.records import from_record, to_record  # the strategies import this module
+    from ..records import from_record, to_record  # the strategies import this module
 
     if "arrays" not in received.array_records:
         raise ValueError("dp: the training message carried no arrays, so the reply's update has no reference")

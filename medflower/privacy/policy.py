@@ -167,9 +167,7 @@ class SiteLedger:
     KEY = "privacy-ledger"
 
     def __init__(self, runtime) -> None:
-        from ..strategies.checkpoint import PersonalState
-
-        self.state = PersonalState(runtime, key=self.KEY)
+        self.state = runtime.personal_state(self.KEY)
         saved = self.state.load(before=2**62)
         self.releases = int(saved["releases"][0]) if saved is not None else 0
         self.dp_sgd_epsilon = float(saved["dp_sgd_epsilon"][0]) if saved is not None else 0.0

@@ -181,7 +181,7 @@ def secure_mean_update(
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
     from flwr.server.workflow.constant import Key as WorkflowKey
 
-    from ..strategies.records import from_record
+    from ..records import from_record
 
     names: list[str] = []
     fitins: dict[int, FitIns] = {}
@@ -268,7 +268,7 @@ def _medflower_training(call_next):
         import flwr.compat.common.recorddict_compat as compat
         from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-        from ..strategies.records import from_record, to_record
+        from ..records import from_record, to_record
 
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         names = str(fitins.config.get(NAMES, "")).split("\n")

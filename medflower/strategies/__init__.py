@@ -8,9 +8,9 @@ classes with ``@register_strategy`` when imported, so adding a method is adding 
 import importlib
 import pkgutil
 
-from .client import ClientHalf
-from .registry import STRATEGIES, register_strategy
-from .server import FederatedStrategy
+from ..contract.client import ClientHalf
+from ..contract.registry import STRATEGIES, register_strategy
+from ..contract.server import FederatedStrategy
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
     importlib.import_module(f"{__name__}.{_module}")

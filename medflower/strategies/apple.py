@@ -1,5 +1,5 @@
 """APPLE (Luo and Wu, "Adapt to Adaptation: Learning Personalization for Cross-Silo Federated Learning", IJCAI 2022)
-in FedKEI's continual protocol (docs/methods/baselines.md#apple-in-fedkeis-protocol).
+in FedKEI's continual protocol (docs/methods/baselines-continual.md#apple-apple).
 
 A site's personalised model is Σ_j p_ij θ_j over the clients' core models θ_j, with p_i its directed-relationship
 vector, learnt on its own data with a proximal term λ(r)·‖p_i − p_0‖² whose weight decays (the paper's loss scheduler;
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
+from ..contract import register_strategy, stack_flat, to_record, unflatten
 from ..data import DataError, make_loader
 from ..options import Option, non_negative, one_of, positive
-from .base import register_strategy, stack_flat, to_record, unflatten
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, FedKEIClient
 from .fedkei_bilevel import LossFn

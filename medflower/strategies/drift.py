@@ -1,5 +1,6 @@
 """SCAFFOLD and FedDyn: client-drift corrections with per-site state, the baselines SiFT compares against
-(docs/methods/baselines.md), over the trainable arrays (adapters + head, or whatever the model trains).
+(docs/methods/baselines-fedavg-like.md#scaffold-and-feddyn), over the trainable arrays (adapters + head, or
+whatever the model trains).
 
 Both keep a per-site array set in ``PersonalState`` (``context.state``, mirrored to the site's state folder,
 so a resumed run or a restarted site gets it back) and a server-side set in the checkpoint. Both use the
@@ -32,9 +33,7 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..models.arrays import is_running_statistic
-from ..options import Option, bad, positive
-from .base import (
+from ..contract import (
     ArraySpec,
     ClientHalf,
     FederatedStrategy,
@@ -45,6 +44,8 @@ from .base import (
     to_record,
     weighted_mean,
 )
+from ..models.arrays import is_running_statistic
+from ..options import Option, bad, positive
 from .fedavg import proximal_term
 
 CONTROL = "control."  # SCAFFOLD's control variates travel as "control.<name>"

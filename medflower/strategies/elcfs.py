@@ -1,6 +1,6 @@
 """ELCFS (Liu, Chen, Qin, Dou and Heng, "FedDG: Federated Domain Generalization on Medical Image Segmentation via
 Episodic Learning in Continuous Frequency Space", CVPR 2021) as a FedKEI baseline, adapted to FedKEI's continual
-protocol as the FedKEI paper's Table I does (docs/methods/baselines.md#elcfs-in-fedkeis-protocol).
+protocol as the FedKEI paper's Table I does (docs/methods/baselines-continual.md#elcfs-elcfs).
 
 Task t ≥ 2 starts from the n_i-weighted mean of the knowledge pool (``PoolMeanInit``, as ``fedavg-init``). Before a
 task's fine-tuning the sites share amplitude spectra (the paper's distribution bank): each site sends the amplitude
@@ -41,13 +41,13 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..contract import from_record, register_strategy, to_record
 from ..data import make_loader
 from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ..options import Option, non_negative, one_of
 from ..training import OptimizerSpec
 from ..training.loops import StepLoss, train_epochs
 from ..training.losses import task_loss
-from .base import from_record, register_strategy, to_record
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import ModuleStartClient
 from .fedprox_init import PoolMeanInit

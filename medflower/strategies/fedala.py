@@ -8,7 +8,8 @@ global model Θ^{t-1} into it (the paper's Eqs. 4-5):
 
 with elementwise weights W_i ∈ [0, 1] learnt on a random ``ala-rand-percent`` % of its training split (Eq. 6):
 W_i ← clip(W_i − η ∇_{W_i} L(Θ̂_i), 0, 1), the gradient taken through Θ̂_i with Θ_i^{t-1} and Θ^{t-1} fixed. Local
-training then starts from Θ̂_i. The method as implemented, and its decisions: docs/methods/baselines.md#fedala.
+training then starts from Θ̂_i. The method as implemented, and its decisions:
+docs/methods/baselines-fedavg-like.md#fedala.
 
 What leaves a site: the trainable arrays (adapters + head) after local training and n_k, as in FedAvg. W_i and the
 site's local model stay in its personal state (``PersonalState``, key ``fedala``).
@@ -27,11 +28,11 @@ from flwr.app import Message, RecordDict
 from torch import nn
 from torch.func import functional_call
 
+from ..contract import ClientHalf, FederatedStrategy, PersonalState, derive_seed, from_record, register_strategy
 from ..data import make_loader
 from ..options import Option, bad, positive
 from ..training.loops import autocast
 from ..training.losses import task_loss
-from .base import ClientHalf, FederatedStrategy, PersonalState, derive_seed, from_record, register_strategy
 
 WEIGHT = "ala-weight/"  # prefix of W_i's arrays in the site's state (the rest is its local model)
 ALA_SEED = 31  # seed purpose of the ALA sample (rt.seed's 1 and 2 are the loaders and local training)

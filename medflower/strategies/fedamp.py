@@ -1,5 +1,5 @@
 """FedAMP (Huang, Chu, Zhou, Wang, Liu, Pei and Zhang, "Personalized Cross-Silo Federated Learning on Non-IID Data",
-AAAI 2021) in FedKEI's continual protocol (docs/methods/baselines.md#fedamp-in-fedkeis-protocol).
+AAAI 2021) in FedKEI's continual protocol (docs/methods/baselines-continual.md#fedamp-fedamp).
 
 Attentive message passing: the server gives each site i a personalised cloud model u_i = Σ_j ξ_ij θ_j with
 ξ_ij = α·A'(‖θ_i − θ_j‖²) for j ≠ i, A(x) = 1 − exp(−x/σ), so A'(x) = exp(−x/σ)/σ, and the self-weight
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
+from ..contract import from_record, register_strategy, stack_flat, to_record, unflatten
 from ..options import Option, bad, non_negative, positive
 from ..training import ExtraLoss
 from .apple import latest_modules
-from .base import from_record, register_strategy, stack_flat, to_record, unflatten
 from .fedavg import proximal_term
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, ModuleStartClient

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
+from ..contract import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record, register_strategy
 from ..options import Option, non_negative
-from .base import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, from_record, register_strategy
 
 PROXIMAL_MU = Option(
     "proximal-mu", 0.01, "FedProx proximal weight mu (fedprox, submodel-fedprox)", non_negative, "fedprox"

@@ -1,5 +1,5 @@
 """FedCurv and EWC: diagonal-Fisher penalties in the two continual protocols
-(docs/methods/baselines.md#fedcurv-and-ewc-fisher-penalties-in-the-continual-protocols).
+(docs/methods/baselines-continual.md#fedcurv-fedcurv; EWC: docs/methods/baselines-incremental.md#ewc-fedcurv-lora).
 
 The maths both share: a site's empirical diagonal Fisher F = (1/n) Σ_i (∇_θ log p(y_i | x_i))² over its module θ
 (``diagonal_fisher``), and a sum of diagonal quadratics
@@ -39,11 +39,11 @@ import torch
 from flwr.app import Message, RecordDict
 from torch.func import functional_call, grad, vmap
 
+from ..contract import ArraySpec, Reply, from_record, register_strategy, to_record, weighted_mean
 from ..data import make_loader
 from ..models.qk_delta import qk_modules
 from ..options import Option, non_negative, one_of
 from ..training import ExtraLoss
-from .base import ArraySpec, Reply, from_record, register_strategy, to_record, weighted_mean
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, ModuleStartClient
 from .fedkei_bilevel import split_parts

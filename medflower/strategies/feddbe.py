@@ -22,7 +22,7 @@ reference's "initialization period") it trains plain FedAvg, no b_i, no MR, and 
 Segmentation (a faithful analogue, not in the paper): the decoder's input is a feature map [B, D, h, w]; b_i is a
 per-channel bias [D] added at every position and the MR mean is over the batch and the positions.
 
-The method as implemented, and its decisions: docs/methods/baselines.md#feddbe.
+The method as implemented, and its decisions: docs/methods/baselines-fedavg-like.md#feddbe.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..options import Option, bad, non_negative, unit_interval_open_left
-from .base import (
+from ..contract import (
     ArraySpec,
     ClientHalf,
     FederatedStrategy,
@@ -48,6 +47,7 @@ from .base import (
     to_record,
     weighted_mean,
 )
+from ..options import Option, bad, non_negative, unit_interval_open_left
 
 MEAN = "feddbe/mean"  # a site's running mean z̄_k of f(x), in its reply while the server has no z̄^g
 GLOBAL_MEAN = "feddbe/global-mean"  # z̄^g, sent with the global arrays once the server has it (and checkpointed)

@@ -1,5 +1,5 @@
 """FedGA (Zhang, Xu, Yao, Zhang, Tian and Wang, "Federated Domain Generalization with Generalization Adjustment",
-CVPR 2023) in FedKEI's continual protocol (docs/methods/baselines.md#fedga-in-fedkeis-protocol).
+CVPR 2023) in FedKEI's continual protocol (docs/methods/baselines-continual.md#fedga-fedga).
 
 FedGA aggregates with weights a_i that the server adjusts round after round by each site's generalization gap
 G_i = L_i(θ̄) − L_i(θ_i), the loss of the aggregate minus that of the site's own model on the site's validation split:
@@ -30,12 +30,12 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
+from ..contract import PersonalState, from_record, register_strategy, to_record, weighted_mean
 from ..data import DataError, make_loader
 from ..data.tasks import binary_task
 from ..options import Option, bad, positive
 from ..training import evaluate
 from .apple import latest_modules
-from .base import PersonalState, from_record, register_strategy, to_record, weighted_mean
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, ModuleStartClient
 

@@ -20,7 +20,7 @@ its own output layer or classification head, and returns the trained arrays. Wit
 What leaves a site: its trained sub-encoder and, when it received one, its trained decoder body; n_k, β_k and whether
 it segments. Never its output layer or classification head, nor its data. What comes to it: its personalised
 sub-encoder and decoder body (training and evaluation messages).
-Decisions: docs/methods/baselines.md#fedhca2-in-fedbkds-federation.
+Decisions: docs/methods/baselines-submodel.md#fedhca2-fedhca2.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from flwr.app import Message, RecordDict
 from scipy.optimize import minimize
 
+from ..contract import ArraySpec, PersonalState, Reply, from_record, register_strategy, spec_of, to_record
 from ..models.ffn_slices import extract_subnetwork, ffn_slice_axes, kept_count, select_neurons
 from ..options import Option, bad, non_negative, one_of, positive
-from .base import ArraySpec, PersonalState, Reply, from_record, register_strategy, spec_of, to_record
 from .submodel import CAPACITIES, ENCODER, SubModelClient, SubModelStrategy, capacity_of
 
 SITE = "site"  # server state: "site<i>/<part>/<array>" for the i-th site of the meta's "sites"

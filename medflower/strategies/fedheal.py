@@ -18,7 +18,7 @@ w_k = p_k / Σ_{k'} p_{k'} over the replying sites (capped at max-client-share).
 
     θ ← θ − Σ_k ŵ_k ⊙ m_k ⊙ u_k,    ŵ_k = w_k m_k / Σ_j w_j m_j   (w_k where Σ_j w_j m_j = 0).
 
-The method as implemented, and its decisions: docs/methods/baselines.md#fedheal.
+The method as implemented, and its decisions: docs/methods/baselines-fedavg-like.md#fedheal.
 
 What leaves a site: the trainable arrays (adapters + head) after local training and n_k, as in FedAvg.
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from ..contract import FederatedStrategy, register_strategy
 from ..options import Option, fraction_below_one, unit_interval_open_left
-from .base import FederatedStrategy, register_strategy
 from .fedavg import FedAvgClient
 
 HISTORY = "fedheal-history/"  # prefix of the sites' sign histories h_k in the checkpoint: <prefix><index>/<array>

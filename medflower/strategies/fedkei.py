@@ -34,18 +34,7 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..data import DataError, make_loader
-from ..data.tasks import (
-    binary_task,
-    client_class_order,
-    count_tasks,
-    parse_site_task_classes,
-    parse_task_classes,
-    site_class_order,
-)
-from ..options import Option, bad, non_negative, one_of, parsed, positive
-from ..training import ExtraLoss, evaluate, train_epochs
-from .base import (
+from ..contract import (
     ArraySpec,
     ClientHalf,
     FederatedStrategy,
@@ -57,6 +46,17 @@ from .base import (
     unflatten,
     weighted_mean,
 )
+from ..data import DataError, make_loader
+from ..data.tasks import (
+    binary_task,
+    client_class_order,
+    count_tasks,
+    parse_site_task_classes,
+    parse_task_classes,
+    site_class_order,
+)
+from ..options import Option, bad, non_negative, one_of, parsed, positive
+from ..training import ExtraLoss, evaluate, train_epochs
 from .continual_report import ContinualReport, continual_summary
 from .fedkei_bilevel import (
     LossFn,
@@ -74,13 +74,13 @@ from .fedkei_bilevel import (
 from .knowledge_pool import KnowledgePool
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..settings import RunSettings
 
 
 # ----------------------------------------------------------------------------- settings both halves read
 # Static settings come from the run config on both sides (the variant, fedkei-grad, fedkei-eta1); what the server
 # decides per task travels in the message: the task (its round), and the module or cluster modules to start from.
-def gradient_mode(cfg: ExperimentConfig) -> str:
+def gradient_mode(cfg: RunSettings) -> str:
     """The ∇_{θ_c} L a site sends in the bi-level phase: variant C's direct form, else ``fedkei-grad``."""
     return "direct" if cfg.fedkei_variant == "C" else cfg.fedkei_grad
 

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..data import DataError
 from ..models import adapter_module
-from .records import ArraySpec
+from ..records import ArraySpec
 
 PARTS = ("adapter", "head")  # clustered, weighted and sent separately (the paper's two parameter spaces)
 GRAD_MODES = ("exact", "first-order", "direct")  # direct = variant C (no back-propagation through the inner loop)

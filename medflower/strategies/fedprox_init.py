@@ -5,7 +5,7 @@ Task t ≥ 2 starts from the n_i-weighted mean of the knowledge pool (every site
 ``fedkei-variant='fedavg-init'``); task 1, or a task while the pool is empty, from the fresh seeded module. Local
 fine-tuning adds FedProx's proximal term (μ/2)·‖θ − θ_start‖² (Eq. 2, μ = ``proximal-mu``) toward the module the task
 started from, task 1 included (toward the fresh module). The method as implemented and its decisions:
-docs/methods/baselines.md#fedprox-init-in-fedkeis-protocol.
+docs/methods/baselines-continual.md#fedprox-fedprox-init.
 
 ``PoolMeanInit`` is the pool-mean start that ``ffa-lora`` and ``per-fedavg`` share (their sites start from the sent
 module: ``fedkei.ModuleStartClient``).
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from flwr.app import Message, RecordDict
 
+from ..contract import register_strategy, weighted_mean
 from ..training import ExtraLoss
-from .base import register_strategy, weighted_mean
 from .fedavg import PROXIMAL_MU, proximal_term
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, ModuleStartClient

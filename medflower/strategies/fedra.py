@@ -10,7 +10,7 @@ adapters of its allocated layers and the shared arrays (the head or decoder, and
 block) on a shallower encoder: its allocated layers in depth order, the others skipped (the reference builds a
 ``depth = c_i`` ViT from them). The server then takes, per layer, the n_k-weighted mean over the sites allocated that
 layer; a layer no valid reply covered keeps its value; the shared arrays are averaged over every reply, as in FedAvg.
-The method as implemented and its decisions: docs/methods/baselines.md#fedra.
+The method as implemented and its decisions: docs/methods/baselines-fedavg-like.md#fedra.
 
 A layer is the transformer block an adapter module sits in (``backbone.blocks.3.adapter_attn`` and
 ``backbone.blocks.3.adapter_mlp`` form layer ``backbone.blocks.3``), layers in depth order (``adapter_modules``).
@@ -31,9 +31,7 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from torch import nn
 
-from ..models import adapter_modules
-from ..options import Option, bad
-from .base import (
+from ..contract import (
     ArraySpec,
     ClientHalf,
     FederatedStrategy,
@@ -44,6 +42,8 @@ from .base import (
     to_record,
     weighted_mean,
 )
+from ..models import adapter_modules
+from ..options import Option, bad
 
 ALLOCATION = "fedra-allocation"  # config key of a training message: the site's allocated layer indices
 LAYERS = "fedra-layers"  # node-config key and query metric: the site's layer count c_i

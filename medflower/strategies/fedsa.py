@@ -7,7 +7,7 @@ Each site keeps its own B_k in its personal state (``PersonalState``, key ``feds
 (A, B_k) next round. The task module (the classifier head, or the decoder) stays local too, as in the authors' code
 (``personalization.local_param: ['lora_B', 'classifier']``); ``fedsa-share-head=true`` averages it with A instead.
 Any other trainable array is shared. The method as implemented and its decisions:
-docs/methods/baselines.md#fedsa.
+docs/methods/baselines-fedavg-like.md#fedsa.
 
 What leaves a site: the A matrices (with ``fedsa-share-head``, the head too) and n_k. B_k and the head stay.
 """
@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from ..contract import FederatedStrategy, register_strategy
 from ..options import Option, bad
-from .base import FederatedStrategy, register_strategy
 from .shared_subset import SharedSubsetClient
 
 LOCAL_LORA = ".lora_B."  # a LoRA B matrix: stays on its site

@@ -17,7 +17,7 @@ that step as the step hook of ``train_epochs`` (medflower/training/loops.py), wh
 leaves the loop the optimizer step: the run's optimizer fed with the corrected gradient. With ``optimizer='sgd'
 momentum=0 weight-decay=0`` (SiFT's recipe) it is exactly line 11. BatchNorm running statistics (``adapter='full'``)
 have no gradient: no ĝ, no perturbation, x̂ = x_K for them, and the perturbed pass leaves them as the unperturbed pass
-set them. The method as implemented and its decisions: docs/methods/baselines.md#fedspeed.
+set them. The method as implemented and its decisions: docs/methods/baselines-fedavg-like.md#fedspeed.
 
 What leaves a site: x̂_i over the trainable arrays, and n_k. ĝ_i and x_K stay on the site.
 """
@@ -33,12 +33,20 @@ from flwr.app import Message, RecordDict
 from torch import nn
 
 from .. import profiling
+from ..contract import (
+    ClientHalf,
+    FederatedStrategy,
+    PersonalState,
+    Reply,
+    from_record,
+    register_strategy,
+    weighted_mean,
+)
 from ..models.arrays import is_running_statistic
 from ..options import Option, positive
 from ..training import OptimizerSpec
 from ..training.loops import StepLoss, train_epochs
 from ..training.losses import task_loss
-from .base import ClientHalf, FederatedStrategy, PersonalState, Reply, from_record, register_strategy, weighted_mean
 
 
 def _unit_interval(v: float) -> str | None:

@@ -7,7 +7,7 @@ travels: a site sends B and the head only (|θ| in the FedKEI paper's cost table
 holds B's and heads. Task t ≥ 2 starts from the n_i-weighted mean of the pooled B's and heads with the fixed A;
 because A is shared, mean(B_i)·A = mean(B_i·A): the mean of the pooled adapters' updates, exactly (FFA-LoRA's point).
 Task 1, or a task while the pool is empty, starts from the fresh seeded module (B = 0). The method as implemented
-and its decisions: docs/methods/baselines.md#ffa-lora-in-fedkeis-protocol.
+and its decisions: docs/methods/baselines-continual.md#ffa-lora-ffa-lora.
 
 What leaves a site: after each task its LoRA B matrices and head and n_i; A never leaves. What comes to a site: the
 pool mean of B's and heads (tasks t ≥ 2).
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from flwr.app import Message
 
+from ..contract import from_record, register_strategy
 from ..options import bad
-from .base import from_record, register_strategy
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import ModuleStartClient
 from .fedprox_init import PoolMeanInit

@@ -1,4 +1,5 @@
-"""Learning without Forgetting in the two continual protocols (docs/methods/baselines.md#lwf-and-flwf).
+"""Learning without Forgetting in the two continual protocols (FedKEI's: docs/methods/baselines-continual.md#flwf-flwf;
+pFedMxF's: docs/methods/baselines-incremental.md#lwf-lwf-lora).
 
 Li and Hoiem, "Learning without Forgetting" (TPAMI 2017): while the new task trains, the outputs of the old task's
 head on the new task's images are kept close to those the previous model gave on the same images, by a
@@ -32,11 +33,11 @@ from flwr.app import Message, RecordDict
 from torch import nn
 from torch.func import functional_call
 
+from ..contract import from_record, register_strategy, weighted_mean
 from ..data import make_loader
 from ..models.qk_delta import qk_modules
 from ..options import Option, non_negative, positive
 from ..training import ExtraLoss, train_epochs
-from .base import from_record, register_strategy, weighted_mean
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import FedKEI, FedKEIClient
 from .pfedmxf import HEAD, INCREMENTAL_OPTIONS, FedAvgLoRA, LoRAClient

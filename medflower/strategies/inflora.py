@@ -1,6 +1,6 @@
 """InfLoRA (Yan-Shuo Liang and Wu-Jun Li, "InfLoRA: Interference-Free Low-Rank Adaptation for Continual Learning",
 CVPR 2024) in the federated class-incremental protocol of ``pfedmxf.py``
-(docs/methods/baselines.md#inflora-in-pfedmxfs-protocol).
+(docs/methods/baselines-incremental.md#inflora-inflora).
 
 LoRA on the q and k slices, ΔW = (alpha/r)·B A, with the dimensionality-reduction matrix A [r, d_in] *designed*
 per task and frozen (the paper's B_t; peft's naming is used here): only B and the head train. Before task t the
@@ -37,11 +37,11 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
+from ..contract import ArraySpec, Reply, count_check, from_record, register_strategy, to_record, weighted_mean
 from ..data import make_loader
 from ..data.tasks import incremental_task
 from ..models.qk_delta import QKDelta, qk_modules
 from ..options import Option, bad, unit_interval_open_left
-from .base import ArraySpec, Reply, count_check, from_record, register_strategy, to_record, weighted_mean
 from .lora_merge import lora_product
 from .pfedmxf import HEAD, INCREMENTAL_OPTIONS, FedAvgLoRA, LoRAClient
 

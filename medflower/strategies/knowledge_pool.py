@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ..records import ArraySpec, stack_flat, validate_arrays
 from ..results import safe_name
-from .records import ArraySpec, stack_flat, validate_arrays
 
 
 @dataclass

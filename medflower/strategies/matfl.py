@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
+from ..contract import Reply, register_strategy, to_record
 from ..models.ffn_slices import covered_merge, ffn_slice_axes
 from ..options import Option, bad, non_negative, one_of, positive
-from .base import Reply, register_strategy, to_record
 from .submodel import CAPACITIES, KEPT, SubModelClient, SubModelStrategy
 
 PERSONAL = "matfl-personal/"  # each site's grouped encoder in the checkpoint: <prefix><index>/<array>

@@ -14,7 +14,7 @@ and the pool keeps, is its meta-model w; task t ≥ 2 starts from the n_i-weight
 (as ``fedkei-variant='fedavg-init'`` starts from the pooled modules). The AUC a site reports after every epoch is of
 its personalised model, the meta-model after one inner step on a training batch (Per-FedAvg's personalisation,
 Eq. 3); ``auc_meta`` is the meta-model's own final AUC. The method as implemented and its decisions:
-docs/methods/baselines.md#per-fedavg-in-fedkeis-protocol.
+docs/methods/baselines-continual.md#per-fedavg-per-fedavg.
 
 A meta-step takes a gradient at w̃ and applies it at w: ``perfedavg_steps`` is that step as ``train_epochs``'s step
 hook, which sets the gradient itself and leaves the loop the optimizer step.
@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from ..contract import register_strategy
 from ..data import make_loader
 from ..options import Option, positive
 from ..training import OptimizerSpec, evaluate
 from ..training.loops import StepLoss, autocast, train_epochs
 from ..training.losses import task_loss
-from .base import register_strategy
 from .fedkei import OPTIONS as FEDKEI_OPTIONS
 from .fedkei import ModuleStartClient
 from .fedprox_init import PoolMeanInit

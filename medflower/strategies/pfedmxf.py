@@ -52,13 +52,7 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..data import DataError, make_loader
-from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
-from ..models import build_model
-from ..models.qk_delta import LoRAQK, qk_modules, spectral_delta
-from ..options import Option, bad, non_negative, one_of, positive
-from ..training import ExtraLoss, train_epochs
-from .base import (
+from ..contract import (
     ArraySpec,
     ClientHalf,
     FederatedStrategy,
@@ -71,6 +65,12 @@ from .base import (
     validate_arrays,
     weighted_mean,
 )
+from ..data import DataError, make_loader
+from ..data.tasks import count_incremental_tasks, incremental_task, parse_task_classes
+from ..models import build_model
+from ..models.qk_delta import LoRAQK, qk_modules, spectral_delta
+from ..options import Option, bad, non_negative, one_of, positive
+from ..training import ExtraLoss, train_epochs
 from .incremental_heads import MaskedLogits, aac_log_probs, frozen_rows, logit_mask, mean_feature, set_block_mean
 from .incremental_report import IncrementalReport, incremental_summary
 from .lora_merge import lora_product, stack_lora

@@ -26,9 +26,7 @@ import torch
 from flwr.app import RecordDict
 from flwr.common.logger import log
 
-from ..models import lowest_adapter_names
-from ..options import Option, non_negative, one_of
-from .base import (
+from ..contract import (
     ArraySpec,
     FederatedStrategy,
     Reply,
@@ -38,6 +36,8 @@ from .base import (
     unflatten,
     validate_arrays,
 )
+from ..models import lowest_adapter_names
+from ..options import Option, non_negative, one_of
 from .shared_subset import SharedSubsetClient
 
 

@@ -14,9 +14,9 @@ from typing import ClassVar
 import numpy as np
 from flwr.app import Message, RecordDict
 
-from .checkpoint import PersonalState
-from .client import ClientHalf
-from .records import from_record
+from ..contract.checkpoint import PersonalState
+from ..contract.client import ClientHalf
+from ..records import from_record
 
 
 class SharedSubsetClient(ClientHalf):

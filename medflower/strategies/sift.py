@@ -39,9 +39,9 @@ from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from ..contract import ClientHalf, FederatedStrategy, derive_seed, from_record, register_strategy, to_record
 from ..options import Option, bad, fraction_below_one, one_of, positive
 from ..training import OptimizerSpec
-from .base import ClientHalf, FederatedStrategy, derive_seed, from_record, register_strategy, to_record
 
 SHORT, LONG = "short/", "long/"
 # SiFT's ablations (docs/methods/sift.md) and the head each one builds.

@@ -48,6 +48,16 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from torch import nn
 
+from ..contract import (
+    ArraySpec,
+    ClientHalf,
+    FederatedStrategy,
+    PersonalState,
+    Reply,
+    from_record,
+    register_strategy,
+    to_record,
+)
 from ..models.ffn_slices import (
     covered_merge,
     extract_subnetwork,
@@ -60,16 +70,6 @@ from ..models.ffn_slices import (
     select_neurons,
 )
 from ..options import Option, non_negative, one_of
-from .base import (
-    ArraySpec,
-    ClientHalf,
-    FederatedStrategy,
-    PersonalState,
-    Reply,
-    from_record,
-    register_strategy,
-    to_record,
-)
 from .fedavg import PROXIMAL_MU, proximal_term
 
 ENCODER = "backbone."  # the shared part: every encoder array; decoders and heads stay on the sites

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ConfigRecord
@@ -34,10 +34,16 @@ from safetensors import safe_open
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save as save_bytes
 
-from .records import from_record, to_record
+from ..records import from_record, to_record
 
-if TYPE_CHECKING:
-    from .client import ClientRuntime
+
+class SiteRuntime(Protocol):
+    """What ``PersonalState`` reads of a site's runtime (``client.ClientRuntime`` is one)."""
+
+    context: Any
+
+    def state_dir(self) -> Path | None: ...
+
 
 ARRAYS = "arrays.safetensors"
 STATE = "state.json"
@@ -310,7 +316,7 @@ class PersonalState:
 
     keep = 3
 
-    def __init__(self, runtime: ClientRuntime, key: str = "personal"):
+    def __init__(self, runtime: SiteRuntime, key: str = "personal"):
         self.rt = runtime
         self.key = key
 

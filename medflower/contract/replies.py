@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from ..records import ArraySpec, validate_arrays
 from ..results import RESERVED_FIELDS
-from .records import ArraySpec, validate_arrays
 
 # "evaluation": the previous round's evaluation metrics in a training reply (run-config evaluate-in-train)
 RECORDS = {"arrays": ArrayRecord, "metrics": MetricRecord, "info": ConfigRecord, "evaluation": MetricRecord}

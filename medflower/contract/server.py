@@ -24,10 +24,7 @@ from flwr.serverapp import Grid
 from ..data.tasks import parse_task_classes
 from ..options import ConfigError, Option
 from ..privacy import PrivacyLedger, noised_mean
-from ..results import RESERVED_FIELDS, RunRecorder, RunReport
-from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
-from .checkpoint import Checkpointer, non_finite
-from .records import (
+from ..records import (
     ArraySpec,
     capped_shares,
     derive_seed,
@@ -38,11 +35,14 @@ from .records import (
     validate_arrays,
     weighted_mean,
 )
+from ..results import RESERVED_FIELDS, RunRecorder, RunReport
+from ..training.metrics import CONFUSION, check_confusion, pooled_metrics
+from .checkpoint import Checkpointer, non_finite
 from .replies import RejectedReply, check_metric_values, check_reply, count_check
 from .site_registry import SiteRegistry
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..settings import RunSettings
     from .client import ClientHalf
 
 
@@ -191,18 +191,16 @@ class FederatedStrategy:
         return num_classes
 
     @classmethod
-    def model_fields(cls, cfg: ExperimentConfig, class_names: list[str]) -> dict[str, Any]:
+    def model_fields(cls, cfg: RunSettings, class_names: list[str]) -> dict[str, Any]:
         """ModelSpec fields the method decides (its adapter, its head); the rest come from the run config."""
         return {"adapter": cls.adapter} if cls.adapter else {}
 
     @classmethod
-    def check_config(cls, cfg: ExperimentConfig, check_paths: bool) -> None:
+    def check_config(cls, cfg: RunSettings, check_paths: bool) -> None:
         """Refuse a run config this method cannot run (raise ``options.bad(key, value, why)``); the generic checks
         (tasks, adapter, mixed tasks) already ran. ``check_paths``: also check the files it names exist."""
 
-    def __init__(
-        self, cfg: ExperimentConfig, recorder: RunRecorder, initial: Mapping[str, np.ndarray], num_classes: int
-    ):
+    def __init__(self, cfg: RunSettings, recorder: RunRecorder, initial: Mapping[str, np.ndarray], num_classes: int):
         self.cfg = cfg
         self.recorder = recorder
         self.num_classes = num_classes
@@ -257,13 +255,11 @@ class FederatedStrategy:
         )
 
     def restore(self, directory: Path) -> None:
-        from ..config import defaults  # config imports the strategies: only here, not at module level
-
         store = Checkpointer(directory)
         arrays, meta = store.load()
         if meta.get("strategy") != self.name:
             raise ValueError(f"checkpoint in {directory} is from strategy {meta.get('strategy')!r}, not {self.name!r}")
-        before = defaults()  # a key added since the checkpoint was written had its default then
+        before = self.cfg.defaults()  # a key added since the checkpoint was written had its default then
         then_of = {k: meta["config"].get(k, before.get(k)) for k in self.cfg.fingerprint()}
         differing = {k: (v, then_of[k]) for k, v in self.cfg.fingerprint().items() if then_of[k] != v}
         if differing:

@@ -2,7 +2,7 @@
 
 ``ClientHalf`` receives one message with a ``ClientRuntime`` (config, the site's data, the model, the device) and
 returns the reply's RecordDict. Whatever must survive between rounds on a site goes into ``PersonalState``
-(``medflower/strategies/checkpoint.py``).
+(``medflower/contract/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from ..data.encoded import BoxPrompts, encoded, module_digest
 from ..data.roots import check_model_paths, in_simulation
 from ..models import AdaptedModel, build_model
 from ..privacy.dp_sgd import PrivateTraining, dp_sgd_epsilon
+from ..records import derive_seed, from_record, to_record
 from ..results import few_steps_message, safe_name
 from ..training import DeviceError, OptimizerSpec, evaluate, pick_device, train_epochs
-from .records import derive_seed, from_record, to_record
+from .checkpoint import PersonalState
 
 if TYPE_CHECKING:
-    from ..config import ExperimentConfig
+    from ..settings import RunSettings
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,7 +94,7 @@ def model_inputs(raw: ClientData, model: AdaptedModel, cache_dir: str, batch_siz
 class ClientRuntime:
     """Everything a client half needs for one message on one site."""
 
-    cfg: ExperimentConfig
+    cfg: RunSettings
     context: Context
     config: dict[str, Any]
     partition_id: int
@@ -102,7 +103,7 @@ class ClientRuntime:
     model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelSpec fields a client half sets per site
 
     @classmethod
-    def from_message(cls, message: Message, context: Context, cfg: ExperimentConfig) -> ClientRuntime:
+    def from_message(cls, message: Message, context: Context, cfg: RunSettings) -> ClientRuntime:
         """Site identity from the node config: its own ``data-path``, or a ``partition-id`` of shared data."""
         node = context.node_config
         config = dict(message.content["config"]) if "config" in message.content.config_records else {}
@@ -272,9 +273,7 @@ class ClientRuntime:
 
     def account_dp_sgd(self, private: PrivateTraining) -> float:
         """The site's DP-SGD steps so far (kept in its state, so a restarted site goes on counting) and their ε."""
-        from .checkpoint import PersonalState
-
-        state = PersonalState(self, key="dp-sgd")
+        state = self.personal_state("dp-sgd")
         before = state.load(before=self.round + 1)  # this round's earlier training calls count too
         steps = int(before["steps"][0]) if before is not None else 0
         steps += private.steps
@@ -372,6 +371,10 @@ class ClientRuntime:
         if self.config.get("state-dir") and in_simulation():
             return Path(str(self.config["state-dir"])) / f"partition-{self.partition_id}"
         return None
+
+    def personal_state(self, key: str) -> PersonalState:
+        """This site's versioned state ``key`` (in its context and, with a state folder, on its disk)."""
+        return PersonalState(self, key=key)
 
     def run_folder_name(self) -> str:
         """This run's folder below a site's own folders (node-config state-dir, figures-dir): the run's name and

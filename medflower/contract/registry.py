@@ -7,14 +7,11 @@ method module, so importing ``medflower.strategies`` fills the registry.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from .server import FederatedStrategy
+S = TypeVar("S", bound=type)
 
-S = TypeVar("S", bound="type[FederatedStrategy]")
-
-STRATEGIES: dict[str, type[FederatedStrategy]] = {}
+STRATEGIES: dict[str, Any] = {}  # name -> a FederatedStrategy subclass (server.py; this module imports nothing)
 
 
 def register_strategy(cls: S) -> S:
