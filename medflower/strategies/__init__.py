@@ -12,7 +12,8 @@ from ..contract.client import ClientHalf
 from ..contract.registry import STRATEGIES, register_strategy
 from ..contract.server import FederatedStrategy
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
-    importlib.import_module(f"{__name__}.{_module}")
+# every module, in the protocol packages too (continual/, incremental/, submodel/), in name order
+for _module in sorted(m.name for m in pkgutil.walk_packages(__path__, f"{__name__}.") if "._" not in m.name):
+    importlib.import_module(_module)
 
 __all__ = ["STRATEGIES", "ClientHalf", "FederatedStrategy", "register_strategy"]
