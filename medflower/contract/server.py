@@ -184,6 +184,12 @@ class FederatedStrategy:
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
+    # What the registry-wide contract tests (tests/test_contract.py) need beyond the tiny run config, for a
+    # strategy whose protocol differs from one round = one train message per site: "config" (run-config keys),
+    # "rounds" (iterations of the run), "stop_after" (the round after which the interrupted run dies), "train_kind"
+    # (the record kind of a valid training reply), "arrays_up" (False: training replies carry metrics only),
+    # "no_arrays_down" (rounds whose messages carry no arrays: a tuple, or "all", or {"after": r}), "why".
+    contract_case: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def model_classes(cls, num_classes: int) -> int:
