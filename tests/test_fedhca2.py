@@ -15,8 +15,8 @@ from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer
 from medflower.inprocess import InProcessGrid, run_inprocess
 from medflower.models.ffn_slices import kept_count
-from medflower.strategies import fedhca2
-from medflower.strategies.fedhca2 import (
+from medflower.strategies.submodel import fedhca2
+from medflower.strategies.submodel.fedhca2 import (
     FedHCA2,
     SiteModel,
     conflict_averse_weights,

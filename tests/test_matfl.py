@@ -14,9 +14,10 @@ from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer, spec_of
 from medflower.contract.server import RoundStats
 from medflower.inprocess import run_inprocess
-from medflower.strategies import matfl
-from medflower.strategies.matfl import MaTFL, MaTFLClient
-from medflower.strategies.submodel import HeteroFL, SubModelClient
+from medflower.strategies.submodel import matfl
+from medflower.strategies.submodel.capacity_baselines import HeteroFL
+from medflower.strategies.submodel.matfl import MaTFL, MaTFLClient
+from medflower.strategies.submodel.protocol import SubModelClient
 
 FFN = "backbone.blocks.0.mlp"
 TOY = OrderedDict(  # a toy encoder: one FFN of 4 hidden neurons (width 2) and an array every sub-encoder holds whole

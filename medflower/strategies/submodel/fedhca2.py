@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from flwr.app import Message, RecordDict
 from scipy.optimize import minimize
 
-from ..contract import ArraySpec, PersonalState, Reply, from_record, register_strategy, spec_of, to_record
-from ..models.ffn_slices import extract_subnetwork, ffn_slice_axes, kept_count, select_neurons
-from ..options import Option, bad, non_negative, one_of, positive
-from .submodel import CAPACITIES, ENCODER, SubModelClient, SubModelStrategy, capacity_of
+from ...contract import ArraySpec, PersonalState, Reply, from_record, register_strategy, spec_of, to_record
+from ...models.ffn_slices import extract_subnetwork, ffn_slice_axes, kept_count, select_neurons
+from ...options import Option, bad, non_negative, one_of, positive
+from .protocol import CAPACITIES, ENCODER, SubModelClient, SubModelStrategy, capacity_of
 
 SITE = "site"  # server state: "site<i>/<part>/<array>" for the i-th site of the meta's "sites"
 PARTS = ("encoder", "decoder", "encoder-direction", "decoder-direction")
@@ -257,7 +257,7 @@ class FedHCA2(SubModelStrategy):
 
     @classmethod
     def check_config(cls, cfg, check_paths: bool) -> None:
-        from ..data.spec import SEGMENTATION_KINDS
+        from ...data.spec import SEGMENTATION_KINDS
 
         segments = [d for d in cfg.site_dataset_list if d.split(":", 1)[0] in SEGMENTATION_KINDS]
         if cfg.fedhca2_decoders == "cross-attention" and segments and cfg.model_task != "segmentation":

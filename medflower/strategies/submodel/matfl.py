@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from ..contract import Reply, register_strategy, to_record
-from ..models.ffn_slices import covered_merge, ffn_slice_axes
-from ..options import Option, bad, non_negative, one_of, positive
-from .submodel import CAPACITIES, KEPT, SubModelClient, SubModelStrategy
+from ...contract import Reply, register_strategy, to_record
+from ...models.ffn_slices import covered_merge, ffn_slice_axes
+from ...options import Option, bad, non_negative, one_of, positive
+from .protocol import CAPACITIES, KEPT, SubModelClient, SubModelStrategy
 
 PERSONAL = "matfl-personal/"  # each site's grouped encoder in the checkpoint: <prefix><index>/<array>
 EPS = 1e-8  # the reference's floor of ‖d_k‖·‖d_j‖

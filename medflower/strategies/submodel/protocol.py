@@ -1,46 +1,41 @@
-"""The sub-model family: FedBKD (docs/methods/fedbkd.md) and its baselines with the same capacities (HeteroFL,
-FedRolex, FedDrop, submodel-fedprox, submodel-local, Ditto), on one server half and one client template.
+"""The sub-model protocol that every strategy of the family runs on: per-site capacities, sub-encoders cut from the
+server's ViT, the covered merge; a method is a client class (its hooks) and a server class naming it.
 
 Every site trains a sub-encoder of the server's ViT: each transformer block's FFN keeps ⌈β_k·d_ffn⌉ of its
 hidden neurons (``models/ffn_slices.py``), the rest of the encoder stays whole. β_k is the site's capacity:
-node-config ``capacity``, else ``fedbkd-capacities`` by partition id, else 1. A site is a segmentation or a
-classification client (its data decides: ``site-datasets`` or its own data folder); only the encoder is
-shared, each site's decoder or head stays in its personal state.
+node-config ``capacity``, else ``fedbkd-capacities`` by partition id, else 1 (``capacity_of``). A site is a
+segmentation or a classification client (its data decides: ``site-datasets`` or its own data folder); only the
+encoder is shared, each site's decoder or head stays in its personal state.
 
-Which neurons (``SubModelClient.selection``):
-- ``fedbkd``: adaptive sub-model extraction (ASE). The site runs the received global encoder over its training
-  data and keeps the top-ψ neurons of each FFN, ψ = mean² + variance of the GELU activation (Eqs. 2-3).
-- ``heterofl``: the first k (a static prefix); ``fedrolex``: k consecutive neurons starting at (round − 1) mod
-  d_ffn (a window rolling by one per round); ``feddrop``: k drawn at random per site and round (seeded).
+Client template (``SubModelClient.train``), with the hooks a method overrides:
+- ``start``: this round's sub-model, the received encoder with the site's own decoder/head (saved under
+  ``task_state``), cut to the kept neurons;
+- ``selection``: which neurons (``select_neurons``' kind: prefix, rolling, random or saliency);
+- ``local_loss``: the term local training (``local-epochs``) adds to the task loss; ``fit``: what the site trains
+  and keeps;
+- ``computes_spread``: μ_k of the trained sub-encoder's features for the server's merge weights;
+  ``sends_update``: False sends metrics only.
 
-Training: ``local-epochs`` on the sub-encoder + the site's decoder/head (``SubModelClient.local_loss``).
-``fedbkd`` adds λ·(1 − CKA(f_k, f_g)) (feature consistency, FCO; Eq. 4 as a similarity, so 1 − CKA is the
-loss; λ = ``fedbkd-lambda``), f_g the frozen global encoder's pooled features on the same batch.
-
-Merge: slices go back to their global indices; each entry is Σ_k w_k θ_k / Σ_{k covering it} w_k, entries no
-site covers keep their value. ``fedbkd``: w_k ∝ μ_k, the trace (or top eigenvalue, ``fedbkd-eigen``) of the
-covariance of the site's encoder features after training (Eqs. 6-7); the baselines: w_k ∝ n_k (HeteroFL's
-averaging over the clients that hold each entry). With β = 1 everywhere the merge is weighted FedAvg.
-
-Capacity baselines beside those: ``submodel-fedprox`` (prefix + a proximal term), ``submodel-local`` (no
-merge; the Δm reference) and ``ditto`` (prefix + a personal sub-model per site, Li et al. 2021).
-
-Ablations (``fedbkd-variant``, the paper's Table 2): ``ase-only`` (top-ψ sub-models, no CKA, n_k weights),
-``fco-only`` (prefix sub-models, CKA and eigenvalue weights).
+Server half (``SubModelStrategy``): the encoder only (``server_arrays``); each reply checked against the site's
+narrowed shapes and kept indices (``reply_spec``, ``valid_replies``) and its capacity (``check_reply_values``); the
+merge puts slices back at their global indices, each entry Σ_k w_k θ_k / Σ_{k covering it} w_k, entries no site
+covers keep their value; w_k = n_k unless a method's ``merge_weight`` says otherwise. With β = 1 everywhere the
+merge is weighted FedAvg.
 
 Messages carry what the server decides each round (the round, this round's arrays, ``num-classes`` =
-``model-classes`` = 0: each site builds its decoder/head for its own classes); the methods' static settings
-(``fedbkd-*``, ``proximal-mu``, ``ditto-lambda``) come from the run config on the site. Each server class
-names its client class, whose hooks decide the behaviour.
+``model-classes`` = 0: each site builds its decoder/head for its own classes); the methods' static settings come
+from the run config on the site.
 
 What leaves a site: its sub-encoder's arrays (FFN slices narrowed), the kept neuron indices per FFN, n_k and
-μ_k (FedBKD); never its decoder or head, never its data or features.
+whatever its method adds to the metrics; never its decoder or head, never its data or features.
+
+The registry-wide contract tests run the family on conftest's mixed federation (``contract_case``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -48,17 +43,8 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 from torch import nn
 
-from ..contract import (
-    ArraySpec,
-    ClientHalf,
-    FederatedStrategy,
-    PersonalState,
-    Reply,
-    from_record,
-    register_strategy,
-    to_record,
-)
-from ..models.ffn_slices import (
+from ...contract import ArraySpec, ClientHalf, FederatedStrategy, PersonalState, Reply, from_record
+from ...models.ffn_slices import (
     covered_merge,
     extract_subnetwork,
     feature_spread,
@@ -66,15 +52,14 @@ from ..models.ffn_slices import (
     ffn_saliency,
     ffn_slice_axes,
     kept_count,
-    linear_cka,
     select_neurons,
 )
-from ..options import Option, non_negative, one_of
-from .fedavg import PROXIMAL_MU, proximal_term
+from ...options import Option
+from ...training import ExtraLoss
 
 ENCODER = "backbone."  # the shared part: every encoder array; decoders and heads stay on the sites
 KEPT = "kept/"  # kept neuron indices travel as "kept/<ffn module name>" int64 arrays
-GLOBAL_PATH = "global-path/"  # Ditto: the decoder/head its global-model update trains, saved beside the personal model
+GLOBAL_PATH = "global-path/"  # a personal-state prefix: the decoder/head a global-model update trains (Ditto)
 
 
 def parse_capacities(v: Any) -> str:
@@ -99,38 +84,15 @@ CAPACITIES = Option(
     "fedbkd",
     parse_capacities,
 )
-FEDBKD_OPTIONS = (
-    Option(
-        "fedbkd-lambda",
-        1.0,
-        "fedbkd: weight of the alignment loss lambda*(1 - CKA(sub-encoder, global encoder))",
-        non_negative,
-        "fedbkd",
-    ),
-    Option(
-        "fedbkd-eigen",
-        "trace",
-        "fedbkd: mu_k of the merge weights, from the covariance of the site's features; "
-        "none = weigh by n_k (a diagnostic, not the paper's)",
-        one_of("trace", "top", "none"),
-        "fedbkd",
-    ),
-    Option(
-        "fedbkd-variant",
-        "full",
-        "fedbkd: full, ase-only (saliency sub-models, no CKA, n_k weights), fco-only "
-        "(prefix sub-models with CKA and eigenvalue weights)",
-        one_of("full", "ase-only", "fco-only"),
-        "fedbkd",
-    ),
-)
-DITTO_LAMBDA = Option(
-    "ditto-lambda",
-    0.1,
-    "ditto: weight lambda of the personal model's pull (lambda/2)*||v - w_global||^2 towards the received sub-encoder",
-    non_negative,
-    "fedbkd",
-)
+
+# The mixed federation of the registry-wide contract tests (tests/conftest.py MIXED_TASKS): three capacities, two
+# segmentation sites and one classification site.
+CONTRACT_SITES = {
+    "dataset": "synthetic-seg",
+    "site-datasets": "synthetic-seg,synthetic-seg,synthetic",
+    "fedbkd-capacities": "0.5,0.125,0.25",
+    "synthetic-size": 160,
+}
 
 
 def capacity_of(runtime) -> float:
@@ -147,38 +109,6 @@ def capacity_of(runtime) -> float:
             f"{runtime.partition_id}; give one per partition id or set node-config capacity"
         )
     return listed[runtime.partition_id]
-
-
-def weighs_by_spread(cfg) -> bool:
-    """FedBKD's w_k ∝ μ_k (Eq. 7), unless ``ase-only`` or ``fedbkd-eigen='none'`` (the diagnostic) weigh by n_k.
-
-    Both halves ask it: the site computes μ_k only when the server weighs by it.
-    """
-    return cfg.fedbkd_variant != "ase-only" and cfg.fedbkd_eigen != "none"
-
-
-class FeatureAligned(nn.Module):
-    """The sub-model's forward that also keeps CKA(f_k, f_g) of the batch against the frozen global model.
-
-    The global model is held outside the module tree, so the optimizer never sees its parameters.
-    """
-
-    def __init__(self, sub: nn.Module, reference: nn.Module):
-        super().__init__()
-        self.sub = sub
-        self.task = sub.task
-        self._reference = (reference,)
-        self.alignment = torch.zeros(())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, features = self.sub.forward_with_features(x)
-        with torch.no_grad():
-            reference = self._reference[0].features(x)
-        self.alignment = linear_cka(features, reference)
-        return logits
-
-
-ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SubModelClient(ClientHalf):
@@ -230,7 +160,7 @@ class SubModelClient(ClientHalf):
         if "arrays" in message.content.array_records:
             model.set_trainable(from_record(message.content["arrays"]), strict=False)
         if previous is not None:  # the site's decoder/head (Ditto: the one its global-model update trains)
-            model.set_trainable(_task_module(previous, self.task_state), strict=False)
+            model.set_trainable(task_module(previous, self.task_state), strict=False)
         kept = self.kept_neurons(model, capacity)
         return extract_subnetwork(model, kept), kept
 
@@ -305,107 +235,9 @@ class SubModelClient(ClientHalf):
         return self.reply(metrics=rt.evaluate_splits(model=self.restore(saved)[0]))
 
 
-class FedBKDClient(SubModelClient):
-    """FedBKD's site: top-ψ neurons (ASE, Eqs. 2-3), λ·(1 − CKA(f_k, f_g)) beside the task loss (FCO, Eqs. 4-5),
-    μ_k for the merge (Eqs. 6-7); ``fedbkd-variant`` ablates: ``ase-only`` (no CKA, no μ_k), ``fco-only`` (prefix)."""
-
-    @property
-    def selection(self) -> str:  # type: ignore[override]
-        return "prefix" if self.rt.cfg.fedbkd_variant == "fco-only" else "saliency"
-
-    @property
-    def alignment_weight(self) -> float:
-        """λ of the alignment loss: ``fedbkd-lambda``, 0 for ``ase-only``."""
-        return 0.0 if self.rt.cfg.fedbkd_variant == "ase-only" else self.rt.cfg.fedbkd_lambda
-
-    @property
-    def computes_spread(self) -> bool:  # type: ignore[override]
-        return weighs_by_spread(self.rt.cfg)
-
-    def local_loss(self, sub: nn.Module, model: nn.Module) -> tuple[nn.Module, ExtraLoss | None]:
-        weight = self.alignment_weight
-        if weight == 0:
-            return sub, None
-        aligned = FeatureAligned(sub, model.eval())
-        return aligned, lambda *_: weight * (1.0 - aligned.alignment)
-
-
-class HeteroFLClient(SubModelClient):
-    """HeteroFL's site: the first k neurons of each FFN, the task loss alone."""
-
-    selection = "prefix"
-
-
-class FedRolexClient(SubModelClient):
-    """FedRolex's site: k consecutive neurons from (round − 1) mod d_ffn."""
-
-    selection = "rolling"
-
-
-class FedDropClient(SubModelClient):
-    """FedDrop's site: k random neurons per site and round (seeded)."""
-
-    selection = "random"
-
-
-class SubModelFedProxClient(SubModelClient):
-    """FedProx's site with a capacity: the prefix sub-encoder, plus (μ/2)·‖θ − θ_received‖² on the sub-encoder
-    only (Li et al. 2020, Eq. 2; μ = ``proximal-mu``): the decoder/head never leaves the site."""
-
-    selection = "prefix"
-
-    def local_loss(self, sub: nn.Module, model: nn.Module) -> tuple[nn.Module, ExtraLoss | None]:
-        mu = self.rt.cfg.proximal_mu
-        if mu == 0:
-            return sub, None
-        return sub, proximal_term(sub, self.received(sub), mu)
-
-
-class SubModelLocalClient(SubModelClient):
-    """Local training with a capacity: round 1 cuts the prefix sub-encoder of the seeded initial encoder, later
-    rounds continue the site's own sub-model; only metrics leave the site."""
-
-    selection = "prefix"
-    sends_update = False
-
-    def start(
-        self, message: Message, model: nn.Module, previous: dict[str, np.ndarray] | None, capacity: float
-    ) -> tuple[nn.Module, OrderedDict[str, np.ndarray]]:
-        if previous is not None:  # the site's own model goes on
-            return self.restore(previous)
-        return super().start(message, model, previous, capacity)
-
-
-class DittoClient(SubModelClient):
-    """Ditto's site (Li et al. 2021, Alg. 1): the global-model update on the prefix sub-encoder with its own
-    decoder/head (saved under ``global-path/``), then the personal sub-model
-    v_k ← v_k − η(∇F_k(v_k) + λ(v_k − w^t)), w^t the received sub-encoder, λ = ``ditto-lambda`` (λ = 0: purely
-    local, still a personal model)."""
-
-    selection = "prefix"
-    task_state = GLOBAL_PATH
-
-    def fit(
-        self, sub: nn.Module, model: nn.Module, kept: Mapping[str, np.ndarray], previous: dict[str, np.ndarray] | None
-    ) -> tuple[dict[str, float], Mapping[str, np.ndarray]]:
-        rt = self.rt
-        received = self.received(sub)
-        # the personal model: its own last one, or (first round, new capacity) the received one
-        same = previous is not None and all(np.array_equal(previous.get(KEPT + n), i) for n, i in kept.items())
-        personal = self.restore(previous)[0] if same else extract_subnetwork(model, kept)
-        update_metrics, update = super().fit(sub, model, kept, previous)
-        metrics = {
-            **{f"global-path-{k}": v for k, v in update_metrics.items()},
-            **rt.train_local(proximal_term(personal, received, rt.cfg.ditto_lambda), model=personal),
-        }
-        saved = OrderedDict(
-            [*personal.get_trainable().items(), *((GLOBAL_PATH + k, v) for k, v in _task_module(update).items())]
-        )
-        return metrics, saved
-
-
-def _task_module(saved: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarray]:
-    """The decoder/head arrays saved under ``prefix`` (not the encoder, not the kept indices)."""
+def task_module(saved: Mapping[str, np.ndarray], prefix: str = "") -> dict[str, np.ndarray]:
+    """The decoder/head arrays of a site's personal state saved under ``prefix`` (not the encoder, not the kept
+    indices, not another prefix's decoder/head)."""
     return {
         k[len(prefix) :]: v
         for k, v in saved.items()
@@ -414,15 +246,21 @@ def _task_module(saved: Mapping[str, np.ndarray], prefix: str = "") -> dict[str,
 
 
 class SubModelStrategy(FederatedStrategy):
-    """Server half shared by FedBKD and the width-scaling baselines: per-site shapes, the covered merge.
+    """Server half of the family (FedBKD and every baseline on its federation): per-site shapes, the covered merge.
 
-    Each registered subclass names its client class (``client_half``), which decides the sites' behaviour.
+    Each registered subclass names its client class (``client_half``), which decides the sites' behaviour; one that
+    merges differently overrides ``merge_weight`` (FedBKD) or ``aggregate_train`` (MaT-FL, FedHCA², submodel-local).
     """
 
     options = (CAPACITIES,)
     adapter = "full"  # width-reduced whole encoders
     trains_backbone = True
     mixed_tasks = True  # only the encoder is shared: each site's decoder or head fits its own task
+    contract_case: ClassVar[dict[str, Any]] = {
+        "config": CONTRACT_SITES,
+        "why": "sites of three capacities holding both tasks, so reply shapes and kept indices differ per site and "
+        "only the encoder travels",
+    }
 
     def server_arrays(self, initial: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """The encoder: decoders and heads stay on the sites."""
@@ -506,112 +344,3 @@ class SubModelStrategy(FederatedStrategy):
 
 def _valid_indices(index: np.ndarray, width: int) -> bool:
     return bool(index.size) and bool((np.diff(index) > 0).all()) and int(index[0]) >= 0 and int(index[-1]) < width
-
-
-@register_strategy
-class FedBKD(SubModelStrategy):
-    """FedBKD: top-ψ sub-encoders, CKA alignment to the global encoder, eigenvalue-weighted covered merge.
-
-    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k and μ_k.
-    """
-
-    name = "fedbkd"
-    client_half = FedBKDClient
-    options = (CAPACITIES, *FEDBKD_OPTIONS)
-
-    @property
-    def weighs_by_spread(self) -> bool:
-        """w_k ∝ μ_k (Eq. 7), unless ``ase-only`` or ``fedbkd-eigen='none'`` (the diagnostic) weigh by n_k."""
-        return weighs_by_spread(self.cfg)
-
-    def merge_weight(self, reply: Reply) -> float:
-        if not self.weighs_by_spread:
-            return reply.num_examples
-        return max(float(reply.metrics.get("feature-spread", 0.0)), 1e-12)
-
-
-@register_strategy
-class HeteroFL(SubModelStrategy):
-    """HeteroFL (Diao et al. 2021): static prefix sub-models, entries averaged over the sites holding them.
-
-    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
-    """
-
-    name = "heterofl"
-    client_half = HeteroFLClient
-
-
-@register_strategy
-class FedRolex(SubModelStrategy):
-    """FedRolex (Alam et al. 2022): a window of neurons rolling by one per round.
-
-    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
-    """
-
-    name = "fedrolex"
-    client_half = FedRolexClient
-
-
-@register_strategy
-class FedDrop(SubModelStrategy):
-    """FedDrop (federated dropout, Caldas et al. 2018): a random subset of neurons per site and round.
-
-    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
-    """
-
-    name = "feddrop"
-    client_half = FedDropClient
-
-
-@register_strategy
-class SubModelFedProx(SubModelStrategy):
-    """FedProx with the same capacities: HeteroFL's prefix sub-encoders and covered merge, plus
-    (mu/2)·‖θ − θ_received‖² over the sub-encoder in local training (``proximal-mu``).
-
-    Leaves a site: its sub-encoder's arrays, the kept neuron indices, n_k.
-    """
-
-    name = "submodel-fedprox"
-    client_half = SubModelFedProxClient
-    options = (CAPACITIES, PROXIMAL_MU)
-
-
-@register_strategy
-class SubModelLocal(SubModelStrategy):
-    """Local training with the same capacities: each site trains its prefix sub-encoder of the seeded initial
-    encoder and its decoder/head alone; nothing is merged (the Δm reference of FedBKD's Table 1).
-
-    Leaves a site: metrics only.
-    """
-
-    name = "submodel-local"
-    client_half = SubModelLocalClient
-
-    def reply_spec(self, node_id: int) -> ArraySpec:
-        return {}
-
-    def train_content(self, rnd: int, node_id: int) -> RecordDict:
-        # Round 1 needs the seeded initial encoder to cut the site's sub-encoder from; later rounds need nothing.
-        return RecordDict(
-            {"config": self.base_config(rnd)}
-            if rnd > 1
-            else {"arrays": to_record(self.global_arrays), "config": self.base_config(rnd)}
-        )
-
-    def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
-        """Nothing to merge: each site keeps its own model."""
-
-
-@register_strategy
-class Ditto(SubModelStrategy):
-    """Ditto (Li et al. 2021) with the same capacities: each site updates HeteroFL's prefix sub-encoder of the
-    global one with a decoder/head of its own (merged like HeteroFL), and also trains a personal sub-model
-    pulled towards the received sub-encoder by (λ/2)·‖v − w‖² (``ditto-lambda``); sites are evaluated on it.
-
-    Leaves a site: its global-model update's sub-encoder arrays, the kept neuron indices, n_k; the personal
-    model never.
-    """
-
-    name = "ditto"
-    client_half = DittoClient
-    options = (CAPACITIES, DITTO_LAMBDA)
