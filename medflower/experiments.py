@@ -51,11 +51,12 @@ from typing import Any
 
 import yaml
 
+from . import run_folder
 from .config import PATH_DATASETS, ConfigError, ExperimentConfig, defaults
 from .pretrain import parse_args as parse_pretrain_args
 from .progress import Job, Progress
 from .results import POOLED, read_records, safe_name
-from .strategies.continual_report import task_curve_layout
+from .strategies.continual.report import task_curve_layout
 from .tracking import missing_package
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
@@ -254,7 +255,7 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
     print(f"{len(jobs)} runs ({where}, {threads} torch thread(s) each)", flush=True)
 
     def finished(i: int) -> None:
-        path = out_dir / configs[i]["run-name"] / "summary.json"
+        path = out_dir / configs[i]["run-name"] / run_folder.SUMMARY_JSON
         summary = json.loads(path.read_text()) if path.is_file() else None
         progress.finish(i, summary, list(plan["metrics"]))
 
@@ -317,7 +318,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         clients: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for seed in plan["seeds"]:
             folder = out_dir / f"{safe_name(run['name'])}-seed{seed}"
-            summary_path = folder / "summary.json"
+            summary_path = folder / run_folder.SUMMARY_JSON
             if not summary_path.is_file():
                 raise FileNotFoundError(f"run {run['name']!r} seed {seed} left no {summary_path}")
             summary = json.loads(summary_path.read_text())
@@ -531,7 +532,7 @@ def run_records(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: 
     """A run's eval records and server round records (where the pooled metrics are)."""
     return [
         r
-        for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / "metrics.jsonl")
+        for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / run_folder.METRICS)
         if r.get("kind") in ("eval", "server")
     ]
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from . import run_folder
+
 BAR = 20  # characters of the bar
 
 
@@ -49,10 +51,10 @@ class RoundReader:
         self.total: int | None = None
 
     def poll(self) -> int:
-        path = self.folder / "metrics.jsonl"
-        if self.total is None and (self.folder / "config.json").is_file():
+        path = self.folder / run_folder.METRICS
+        if self.total is None and (self.folder / run_folder.CONFIG).is_file():
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not written whole yet
-                self.total = int(json.loads((self.folder / "config.json").read_text())["resolved"]["rounds"])
+                self.total = int(json.loads((self.folder / run_folder.CONFIG).read_text())["resolved"]["rounds"])
         try:
             with path.open("rb") as f:
                 f.seek(self.offset)

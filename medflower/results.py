@@ -7,8 +7,9 @@
   sites sent confusion counts (the metrics on the union of the answering sites' test splits).
 
 ``RunReport`` lays out summary.md and curves.png for runs of rounds; a strategy whose runs read differently names
-its own (``FederatedStrategy.report``: FedKEI's in ``strategies/continual_report.py``, the class-incremental
-strategies' in ``strategies/incremental_report.py``), and its ``summary_extra`` adds to summary.json.
+its own (``FederatedStrategy.report``: the continual protocol's in ``strategies/continual/report.py``, the
+class-incremental protocol's in ``strategies/incremental/report.py``), and its ``summary_extra`` adds to
+summary.json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common.logger import log
+
+from . import run_folder
 
 HEADLINE = ("auc", "accuracy", "balanced_accuracy", "dice", "iou", "loss")
 POOLED = ("pooled_balanced_accuracy", "pooled_accuracy")  # server-side metrics of the round (no per-site value)
@@ -101,7 +104,7 @@ class RunRecorder:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_path = self.run_dir / run_folder.METRICS
         # the run's experiment tracker (medflower/tracking.py's RunTracking), told every record; None: no tracking
         self.tracking: Any = None
         # (batch size, local epochs) of the run: with them a site's training records say when it is a small site
@@ -110,7 +113,7 @@ class RunRecorder:
 
     # ------------------------------------------------------------------ writing
     def write_config(self, config: Mapping[str, Any]) -> None:
-        (self.run_dir / "config.json").write_text(json.dumps(dict(config), indent=1, sort_keys=True))
+        (self.run_dir / run_folder.CONFIG).write_text(json.dumps(dict(config), indent=1, sort_keys=True))
         if self.tracking is not None:
             self.tracking.config(config)
 
@@ -236,16 +239,22 @@ class RunRecorder:
         """Write summary.json, and summary.md and curves.png as ``report`` lays them out (the default: rounds)."""
         report = report or RunReport()
         summary = self.summary(strategy, dataset, wall_time_s, extra)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / run_folder.SUMMARY_JSON).write_text(json.dumps(summary, indent=1))
         title = f"{report.title(summary)} on {dataset}"
-        report.plot(self.records("eval"), self.run_dir / "curves.png", title=title)
+        report.plot(self.records("eval"), self.run_dir / run_folder.CURVES, title=title)
         try:
             report.plot_sites(summary, self.run_dir / SITE_BARS, title=title)
         except Exception as err:  # a picture is never worth the run's summary
             log(WARNING, "[medflower] no %s (%s: %s)", SITE_BARS, type(err).__name__, err)
-        (self.run_dir / "summary.md").write_text(report.markdown(summary, run_figures(self.run_dir)))
+        (self.run_dir / run_folder.SUMMARY_MD).write_text(report.markdown(summary, run_figures(self.run_dir)))
         if self.tracking is not None:
-            names = ("summary.md", "summary.json", "curves.png", "config.json", "metrics.jsonl")
+            names = (
+                run_folder.SUMMARY_MD,
+                run_folder.SUMMARY_JSON,
+                run_folder.CURVES,
+                run_folder.CONFIG,
+                run_folder.METRICS,
+            )
             self.tracking.files([self.run_dir / name for name in names])
         return summary
 
@@ -373,8 +382,7 @@ class RunReport:
         return "\n".join(lines)
 
 
-SITE_BARS = "sites.png"  # each site's final metrics as bars, beside curves.png
-SITE_FIGURES = "sites"  # simulation: <run folder>/sites/<site>/, each simulated site's own pictures
+SITE_BARS, SITE_FIGURES = run_folder.SITE_BARS, run_folder.SITE_FIGURES
 
 
 def run_figures(run_dir: Path) -> dict[str, Any]:
@@ -384,7 +392,7 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     found: dict[str, Any] = {
-        name: file for name, file in (("curves", "curves.png"), ("sites", SITE_BARS)) if (run_dir / file).is_file()
+        name: file for name, file in (("curves", run_folder.CURVES), ("sites", SITE_BARS)) if (run_dir / file).is_file()
     }
     site_figures = {}
     folder = run_dir / SITE_FIGURES

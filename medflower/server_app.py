@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from datetime import datetime
 from logging import ERROR, INFO, WARNING
@@ -13,6 +12,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from . import run_folder
 from .config import ConfigError, ExperimentConfig
 from .contract.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
 from .data import describe_source
@@ -26,22 +26,7 @@ from .tracking import open_tracking
 app = ServerApp()
 
 
-# A folder holding any of these already holds a run; RUN_OUTPUTS is what overwrite=true deletes.
-RUN_MARKS = ("metrics.jsonl", "checkpoint", "client-state", "summary.json")
-RUN_OUTPUTS = (
-    "metrics.jsonl",
-    "summary.json",
-    "summary.md",
-    "curves.png",
-    "sites.png",
-    "sites",
-    "checkpoint",
-    "client-state",
-    "privacy-releases.jsonl",
-)
-
-
-def run_folder(cfg: ExperimentConfig) -> Path:
+def run_folder_path(cfg: ExperimentConfig) -> Path:
     """The run's folder: resume-from's run folder, else <output-dir>/<run-name>."""
     if cfg.resume_from:
         return run_folder_of(resolve_checkpoint_dir(cfg.resume_from))
@@ -54,7 +39,7 @@ def prepare_run_folder(cfg: ExperimentConfig, run_dir: Path) -> None:
     refused, unless overwrite=true, which deletes that run's outputs (docs/deployment.md, "Faults")."""
     if cfg.resume_from:
         return
-    held = [name for name in RUN_MARKS if (run_dir / name).exists()]
+    held = run_folder.held_outputs(run_dir)
     if not held:
         return
     if not cfg.overwrite:
@@ -64,9 +49,7 @@ def prepare_run_folder(cfg: ExperimentConfig, run_dir: Path) -> None:
             f"(or choose another 'run-name' / 'output-dir')"
         )
     log(WARNING, "[medflower] %s holds a run: overwrite=true, deleting it and starting over", run_dir.resolve())
-    for stale in RUN_OUTPUTS:
-        path = run_dir / stale
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    run_folder.delete_outputs(run_dir)
 
 
 def resolved_model(cfg: ExperimentConfig, model) -> dict:
@@ -98,7 +81,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     num_classes = cfg.declared_num_classes or describe_source(cfg.data_spec())[0]
     for dataset in cfg.split_datasets:  # what every site would refuse at its first message, refused once here
         check_partition_supported(cfg.data_spec(dataset=dataset))
-    run_dir = run_folder(cfg)
+    run_dir = run_folder_path(cfg)
     prepare_run_folder(cfg, run_dir)
     recorder = RunRecorder(run_dir)
     method = cfg.strategy_class
@@ -111,7 +94,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
     if cfg.resume_from:
         strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
         # later rounds (a chosen earlier round, or newer ones refused as corrupt) are redone: drop them
-        Checkpointer(run_dir / "checkpoint").discard_after(strategy.completed_rounds)
+        Checkpointer(run_dir / run_folder.CHECKPOINT).discard_after(strategy.completed_rounds)
         done = strategy.completed_rounds
         # evaluate-in-train: the checkpoint's round was evaluated in the next round's replies, which are redone
         recorder.truncate_after(done, done - 1 if cfg.evaluate_in_train and done < strategy.total_rounds() else done)

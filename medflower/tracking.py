@@ -28,13 +28,14 @@ from typing import Any, Protocol
 
 from flwr.common.logger import log
 
+from . import run_folder
 from .options import Option, one_of
 from .results import safe_name
 
 TRACKERS = ("none", "tensorboard", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # tracker -> the package it needs
 DEFAULT_EXPERIMENT = "medflower"
-STATE_FILE = "tracking.json"  # in the run folder: the MLflow run a resumed run continues
+STATE_FILE = run_folder.TRACKING_STATE  # in the run folder: the MLflow run a resumed run continues
 
 TRACKING_OPTIONS: tuple[Option, ...] = (
     Option(

@@ -36,6 +36,7 @@ import torch
 from flwr.app import Context, RecordDict
 from flwr.common.logger import log
 
+from . import run_folder
 from .config import ConfigError, ExperimentConfig, all_options
 from .contract.checkpoint import Checkpointer, CheckpointError, PersonalState
 from .contract.client import ClientRuntime, _cached_model
@@ -100,7 +101,7 @@ class TrainedRun:
             self.cfg = ExperimentConfig.from_run_config(run_config, check_paths=False)
         except (ConfigError, ValueError) as err:
             raise RunError(f"{config_path}: {err}") from None
-        store = Checkpointer(self.folder / "checkpoint")
+        store = Checkpointer(self.folder / run_folder.CHECKPOINT)
         try:
             self.arrays, self.meta = store.load()
         except FileNotFoundError:
@@ -122,7 +123,7 @@ class TrainedRun:
     # ------------------------------------------------------------------ what the run holds
     @functools.cached_property
     def records(self) -> list[dict[str, Any]]:
-        return read_records(self.folder / "metrics.jsonl")
+        return read_records(self.folder / run_folder.METRICS)
 
     @functools.cached_property
     def site_names(self) -> list[str]:
@@ -132,7 +133,7 @@ class TrainedRun:
 
     @functools.cached_property
     def summary(self) -> dict[str, Any] | None:
-        path = self.folder / "summary.json"
+        path = self.folder / run_folder.SUMMARY_JSON
         try:
             return json.loads(path.read_text()) if path.is_file() else None
         except (ValueError, UnicodeDecodeError):
@@ -230,7 +231,7 @@ class TrainedRun:
             return None
 
     def _state_folder(self, partition: int) -> Path | None:
-        folder = self.folder / "client-state" / f"partition-{partition}"
+        folder = run_folder.partition_state(self.folder, partition)
         return folder if folder.is_dir() else None
 
     @property
@@ -337,7 +338,7 @@ def with_site_model(
     """``use(model, device)`` on the site's model (the global one when ``site`` is None) as the strategy's client half
     assembles it for the run's last evaluation; returns what ``use`` returns. RunError when the model is per site
     and no site (or no state of it) is given, or when the strategy's sites evaluate with a routine of their own."""
-    from .strategies.pfedmxf import IncrementalClient
+    from .strategies.incremental.protocol import IncrementalClient
 
     cfg = run.cfg
     if issubclass(cfg.strategy_class.client_half, IncrementalClient):
@@ -401,7 +402,7 @@ def with_site_model(
                 f"--site NAME (one of {', '.join(run.site_names) or 'the run sites'}), and --state-dir where that "
                 "site's state is not in the run folder"
             )
-        where = site.state_dir or (run.folder / "client-state" / f"partition-{site.partition_id}")
+        where = site.state_dir or run_folder.partition_state(run.folder, site.partition_id)
         raise RunError(
             f"site {name} has no saved {', '.join(missing)} state before round {run.round + 1} in {where}: it never "
             "trained in this run, or its state is elsewhere (--state-dir: the SuperNode's node-config state-dir)"

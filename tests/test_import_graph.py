@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "medflower"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("options", "records", "engine", "profiling", "site_errors"),
+    ("options", "records", "run_folder", "engine", "profiling", "site_errors"),
     ("data", "models"),
     ("training", "privacy"),
     ("results", "figures", "tracking"),

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.numpy import load as load_bytes
 from safetensors.numpy import save as save_bytes
 
+from .. import run_folder
 from ..records import from_record, to_record
 
 
@@ -276,7 +277,7 @@ def resolve_checkpoint_dir(resume_from: str) -> Path:
     """The checkpoint folder ``resume-from`` names: a run folder, its ``checkpoint/``, or one ``round-NNNNNN``
     folder in it (resume from that round); raise with a clear message otherwise."""
     path = Path(resume_from).expanduser()
-    for candidate in (path / "checkpoint", path):
+    for candidate in (path / run_folder.CHECKPOINT, path):
         if Checkpointer(candidate).exists():
             return candidate
     raise FileNotFoundError(
@@ -291,7 +292,7 @@ def run_folder_of(checkpoint_dir: Path) -> Path:
     folder = Path(checkpoint_dir)
     if _round_of(folder) is not None:
         folder = folder.parent
-    return folder.parent if folder.name == "checkpoint" else folder
+    return folder.parent if folder.name == run_folder.CHECKPOINT else folder
 
 
 def arrays_digest(arrays: Mapping[str, np.ndarray], order: list[str]) -> str:

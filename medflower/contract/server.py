@@ -21,6 +21,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from .. import run_folder
 from ..data.tasks import parse_task_classes
 from ..options import ConfigError, Option
 from ..privacy import PrivacyLedger, noised_mean
@@ -221,7 +222,7 @@ class FederatedStrategy:
         self.nodes: dict[int, NodeInfo] = {}
         self.federation_size = 0  # N: the nodes known when the round started (a node rejected in it still counts)
         self.stats = RoundStats()
-        self.checkpointer = Checkpointer(recorder.run_dir / "checkpoint", keep=cfg.keep_checkpoints)
+        self.checkpointer = Checkpointer(recorder.run_dir / run_folder.CHECKPOINT, keep=cfg.keep_checkpoints)
         self.registry = SiteRegistry.load(cfg.site_registry) if cfg.site_registry else None
         self.privacy = PrivacyLedger(cfg) if cfg.dp != "none" or cfg.dp_sgd else None
         self.setup(initial)
@@ -290,7 +291,7 @@ class FederatedStrategy:
                 "model-classes": self.model_classes(self.num_classes),
                 "run-name": self.recorder.run_dir.name,
                 "run-uid": self.run_uid,
-                "state-dir": str((self.recorder.run_dir / "client-state").resolve()),
+                "state-dir": str((self.recorder.run_dir / run_folder.CLIENT_STATE).resolve()),
                 **extra,
             }
         )

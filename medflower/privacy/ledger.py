@@ -24,9 +24,10 @@ from typing import Any
 
 from flwr.common.logger import log
 
+from .. import run_folder
 from ..options import ConfigError, bad
 
-RELEASES_FILE = "privacy-releases.jsonl"  # in the run folder: one line per round whose training was sent
+RELEASES_FILE = run_folder.PRIVACY_RELEASES  # in the run folder: one line per round whose training was sent
 
 
 def check_privacy_config(
