@@ -51,7 +51,7 @@ def child(args: dict) -> dict:
     """One measurement in this (fresh) process."""
     from medflower.config import ExperimentConfig, defaults
     from medflower.models import build_model
-    from medflower.strategies import fedkei as fk
+    from medflower.strategies.continual import bilevel as bl
     from medflower.training import OptimizerSpec, train_epochs
 
     torch.set_num_threads(args["threads"])
@@ -66,14 +66,14 @@ def child(args: dict) -> dict:
         }
     )
     model = build_model(cfg.model_spec(), 2).to(device).train()
-    parts = fk.split_parts(model.trainable_spec())
-    loss_fn = fk.module_loss(model, parts, model.parameter_paths())
+    parts = bl.split_parts(model.trainable_spec())
+    loss_fn = bl.module_loss(model, parts, model.parameter_paths())
     gen = torch.Generator().manual_seed(0)
     n, b, s = args["samples"], args["batch_size"], args["img_size"]
     x = torch.randn(n, 3, s, s, generator=gen)
     y = torch.randint(0, 2, (n,), generator=gen)
     batches = [(x[i : i + b].to(device), y[i : i + b].to(device)) for i in range(0, n, b)]
-    widths = [fk.part_width(spec) for spec in parts.values()]
+    widths = [bl.part_width(spec) for spec in parts.values()]
     clusters = [0.02 * torch.randn(args["k"], w, generator=gen).to(device) for w in widths]
     mode = args["mode"]
 
@@ -82,9 +82,9 @@ def child(args: dict) -> dict:
             loader = [(xb.cpu(), yb.cpu()) for xb, yb in batches]
             train_epochs(model, loader, epochs=1, optimizer=OptimizerSpec("sgd", 0.005), device=device)
         elif mode == "alpha":
-            fk.inner_loop(loss_fn, clusters, batches, 0.05)
+            bl.inner_loop(loss_fn, clusters, batches, 0.05)
         else:
-            fk.cluster_gradients(loss_fn, clusters, batches, [(bt, len(bt[1])) for bt in batches], 0.05, mode)
+            bl.cluster_gradients(loss_fn, clusters, batches, [(bt, len(bt[1])) for bt in batches], 0.05, mode)
 
     run() if args["warmup"] else None  # one untimed call (allocator, kernels) when asked
     if device.type == "cuda":

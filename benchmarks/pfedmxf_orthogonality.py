@@ -29,7 +29,7 @@ def measure(run_dir: Path) -> dict:
     from medflower.contract import Checkpointer
     from medflower.models import build_model
     from medflower.models.qk_delta import qk_modules, spectral_delta
-    from medflower.strategies.pfedmxf import FrequencyAllocator, conjugate, dense_spectrum
+    from medflower.strategies.incremental.spectral import FrequencyAllocator, conjugate, dense_spectrum
 
     config = json.loads((run_dir / "config.json").read_text())
     cfg = ExperimentConfig.from_run_config({**defaults(), **config, "resume-from": ""}, check_paths=False)

@@ -14,9 +14,9 @@ from medflower.contract import unflatten
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.options import ConfigError
-from medflower.strategies import apple as ap
-from medflower.strategies import fedkei_bilevel as bl
-from medflower.strategies.knowledge_pool import KnowledgePool
+from medflower.strategies.continual import apple as ap
+from medflower.strategies.continual import bilevel as bl
+from medflower.strategies.continual.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "apple", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
 
@@ -94,13 +94,13 @@ def messages(grid, task: int):
 
 def test_apple_sends_every_module_and_p0_and_starts_from_the_learnt_combination(tiny, monkeypatch):
     starts = []
-    original = ap.FedKEIClient.finetune
+    original = ap.ContinualClient.finetune
 
     def spy(self, train, epochs, after_epoch, extra_loss, device):
         starts.append((self.rt.client, self.task, self.rt.model.get_trainable()))
         return original(self, train, epochs, after_epoch, extra_loss, device)
 
-    monkeypatch.setattr(ap.FedKEIClient, "finetune", spy)
+    monkeypatch.setattr(ap.ContinualClient, "finetune", spy)
     config = tiny(
         **{**TASKS, "run-name": "apple", "partition": "dirichlet", "dirichlet-alpha": 5.0, "apple-lr": 0.05},
     )

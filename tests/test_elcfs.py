@@ -19,7 +19,7 @@ from medflower.data import make_loader
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies import elcfs as el
+from medflower.strategies.continual import elcfs as el
 from medflower.training import OptimizerSpec
 
 TASKS = {"num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 16}

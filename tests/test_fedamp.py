@@ -14,7 +14,7 @@ from medflower.contract import from_record, stack_flat, to_record
 from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
-from medflower.strategies import fedamp as fa
+from medflower.strategies.continual import fedamp as fa
 
 TASKS = {"strategy": "fedamp", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
 
@@ -83,14 +83,14 @@ def pooled(run_dir, task: int):
 
 def test_each_site_starts_from_its_cloud_model_and_an_absent_site_from_the_mean(tiny, monkeypatch):
     starts, losses = {}, []
-    original = fa.ModuleStartClient.finetune
+    original = fa.ContinualClient.finetune
 
     def spy(self, train, epochs, after_epoch, extra_loss, device):
         starts[(self.rt.client, self.task)] = self.rt.model.get_trainable()
         losses.append((self.task, extra_loss is not None))
         return original(self, train, epochs, after_epoch, extra_loss, device)
 
-    monkeypatch.setattr(fa.ModuleStartClient, "finetune", spy)
+    monkeypatch.setattr(fa.ContinualClient, "finetune", spy)
 
     def drop(node_id, message):  # node 3 misses task 1's fine-tuning: no module of it in the pool
         return node_id == 3 and message.metadata.message_type == "train" and message.metadata.group_id == "1"

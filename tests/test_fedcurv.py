@@ -1,4 +1,5 @@
-"""FedCurv and EWC (medflower/strategies/fedcurv.py): the diagonal Fisher against logistic regression's closed form and
+"""FedCurv and EWC (medflower/training/regularisers.py, medflower/strategies/continual/fedcurv.py,
+medflower/strategies/incremental/fedcurv_lora.py): the diagonal Fisher against logistic regression's closed form and
 per-row autograd on the ViT, the penalty from u, v, c against the sum over sites (value, gradient, finite
 differences), ``fedcurv`` in FedKEI's protocol (its start is fedavg-init's, its penalty the other sites', its bytes,
 the 'modules' downlink, resume) and ``fedcurv-lora`` in the class-incremental one (the federated Fisher, one LoRA
@@ -17,7 +18,9 @@ from medflower.contract.checkpoint import Checkpointer
 from medflower.contract.server import Reply
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
-from medflower.strategies import fedcurv as fc
+from medflower.strategies.continual import fedcurv as fc
+from medflower.strategies.incremental import fedcurv_lora as ewc
+from medflower.training import regularisers as reg
 
 TASKS = {"num-tasks": 3, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01}
 
@@ -52,7 +55,7 @@ def test_fisher_of_logistic_regression_is_the_closed_form_mean_of_squared_row_gr
     torch.manual_seed(0)
     model = LogisticRegression(5, 3)
     x, y = torch.randn(23, 5), torch.randint(0, 3, (23,))
-    fisher = fc.diagonal_fisher(model, batches(x, y, 7), torch.device("cpu"))
+    fisher = reg.diagonal_fisher(model, batches(x, y, 7), torch.device("cpu"))
     with torch.no_grad():
         residual = (torch.softmax(model(x), dim=1) - torch.nn.functional.one_hot(y, 3)).double()
     expected_w = (residual[:, :, None] ** 2 * x.double()[:, None, :] ** 2).mean(dim=0)
@@ -63,7 +66,7 @@ def test_fisher_of_logistic_regression_is_the_closed_form_mean_of_squared_row_gr
     # a task's softmax over classes 1 and 2: class 0's row has no gradient, the others the 2-class closed form
     mask = torch.tensor([False, True, True])
     keep = y > 0
-    masked = fc.diagonal_fisher(model, batches(x[keep], y[keep], 4), torch.device("cpu"), mask)
+    masked = reg.diagonal_fisher(model, batches(x[keep], y[keep], 4), torch.device("cpu"), mask)
     with torch.no_grad():
         p = torch.softmax(model(x[keep])[:, 1:], dim=1)
         r = (p - torch.nn.functional.one_hot(y[keep] - 1, 2)).double()
@@ -81,7 +84,7 @@ def test_fisher_of_the_vit_with_lora_equals_per_row_autograd():
             if "lora_B" in name:
                 p.normal_(std=0.1)
     x, y = torch.randn(6, 3, 16, 16), torch.tensor([0, 1, 1, 0, 1, 0])
-    fisher = fc.diagonal_fisher(model, batches(x, y, 4), torch.device("cpu"))
+    fisher = reg.diagonal_fisher(model, batches(x, y, 4), torch.device("cpu"))
     params = model.trainable_parameters()
     expected = {k: torch.zeros_like(p) for k, p in params.items()}
     model.eval()
@@ -121,19 +124,19 @@ def test_the_penalty_from_u_v_c_equals_the_sum_over_sites_in_value_and_gradient(
     anchors, shapes = sites()
     rng = np.random.default_rng(1)
     theta = OrderedDict((k, rng.normal(size=s)) for k, s in shapes.items())
-    quadratic = fc.Quadratic.of(anchors)
+    quadratic = reg.Quadratic.of(anchors)
     assert quadratic.value(theta) == pytest.approx(direct(theta, anchors), rel=1e-12)
     # the same from what travels (float32 u and v) and from every site's module and Fisher ('modules')
-    wire = fc.Quadratic.from_arrays(quadratic.arrays())
+    wire = reg.Quadratic.from_arrays(quadratic.arrays())
     assert wire.value(theta) == pytest.approx(direct(theta, anchors), rel=1e-5)
     modules = OrderedDict()
     for j, (t, f) in enumerate(anchors):
         modules.update((f"theta/{j}/{k}", v) for k, v in t.items())
         modules.update((f"fisher/{j}/{k}", v) for k, v in f.items())
-    assert fc.Quadratic.from_arrays(modules).value(theta) == pytest.approx(direct(theta, anchors), rel=1e-12)
+    assert reg.Quadratic.from_arrays(modules).value(theta) == pytest.approx(direct(theta, anchors), rel=1e-12)
     # EWC: adding a task's quadratic adds its term
     more, _ = sites(seed=2, count=1)
-    assert quadratic.plus(fc.Quadratic.of(more)).value(theta) == pytest.approx(direct(theta, anchors + more))
+    assert quadratic.plus(reg.Quadratic.of(more)).value(theta) == pytest.approx(direct(theta, anchors + more))
     # the training term: λ times the value; gradient 2λ Σ_j F_j (θ − θ_j), also by finite differences
     lam = 0.3
     params = OrderedDict((k, torch.tensor(v, dtype=torch.float64, requires_grad=True)) for k, v in theta.items())
@@ -156,7 +159,7 @@ def test_the_penalty_has_no_cancellation_near_the_anchor():
     anchors, _ = sites(count=1)
     theta = OrderedDict((k, (v.astype(np.float64) + 1e-4)) for k, v in anchors[0][0].items())
     params = OrderedDict((k, torch.tensor(v, dtype=torch.float32)) for k, v in theta.items())
-    term = float(fc.Quadratic.of(anchors).penalty(params, 1.0)(None, None, None))
+    term = float(reg.Quadratic.of(anchors).penalty(params, 1.0)(None, None, None))
     assert term == pytest.approx(direct(theta, anchors), rel=1e-2)
 
 
@@ -176,7 +179,7 @@ def spy_fishers(monkeypatch) -> dict:
     def spy(self, task, reply):
         seen[(task, reply.client)] = (
             OrderedDict((k, reply.arrays[k]) for k in self.spec),
-            OrderedDict((k, reply.arrays[fc.FISHER + k]) for k in self.spec),
+            OrderedDict((k, reply.arrays[reg.FISHER + k]) for k in self.spec),
             reply.num_examples,
         )
         return original(self, task, reply)
@@ -201,14 +204,14 @@ def test_fedcurv_starts_from_the_pool_mean_and_penalises_toward_the_other_sites(
         for k in spec:  # fedavg-init's start: the n_i-weighted mean of the pool
             np.testing.assert_allclose(start[k], sum(n * t[k] for t, _, n in task1) / total, rtol=1e-5, atol=1e-7)
         others = [seen[(1, c)][:2] for c in ("site-0", "site-1", "site-2") if c != client]
-        got = fc.Quadratic.from_arrays(from_record(message.content[fc.RECORD]))
-        expected = fc.Quadratic.of(others)
+        got = reg.Quadratic.from_arrays(from_record(message.content[fc.RECORD]))
+        expected = reg.Quadratic.of(others)
         for k in spec:
             np.testing.assert_allclose(got.u[k], expected.u[k], rtol=1e-6)
             np.testing.assert_allclose(got.v[k], expected.v[k], rtol=1e-5, atol=1e-9)
         assert got.c == pytest.approx(expected.c)
     # task 3's penalty is over the others' task-2 modules and Fishers
-    got = fc.Quadratic.from_arrays(from_record(sent(grid, "train", 3)[1].content[fc.RECORD]))
+    got = reg.Quadratic.from_arrays(from_record(sent(grid, "train", 3)[1].content[fc.RECORD]))
     np.testing.assert_allclose(got.u[spec[-1]], seen[(2, "site-1")][1][spec[-1]] + seen[(2, "site-2")][1][spec[-1]])
     # bytes per task and site: down the start + u + v (+ c), up the module + its Fisher
     size = sum(v.size for v in seen[(1, "site-0")][0].values())
@@ -246,8 +249,8 @@ def test_the_modules_downlink_sends_every_other_sites_module_and_fisher(tiny):
     message = sent(grid_mods, "train", 2)[1]
     names = set(message.content[fc.RECORD])
     assert {n.split("/")[1] for n in names} == {"0", "1"} and {n.split("/")[0] for n in names} == {"theta", "fisher"}
-    a = fc.Quadratic.from_arrays(from_record(message.content[fc.RECORD]))
-    b = fc.Quadratic.from_arrays(from_record(sent(grid_sums, "train", 2)[1].content[fc.RECORD]))
+    a = reg.Quadratic.from_arrays(from_record(message.content[fc.RECORD]))
+    b = reg.Quadratic.from_arrays(from_record(sent(grid_sums, "train", 2)[1].content[fc.RECORD]))
     for k in a.u:
         np.testing.assert_allclose(a.u[k], b.u[k], rtol=1e-6)
     # (2N − 1)·|θ| down per site (the start and the N − 1 others' modules and Fishers), 2|θ| up
@@ -276,7 +279,7 @@ def test_a_resumed_fedcurv_run_gets_its_fishers_back(tiny):
 
 # ----------------------------------------------------------------------------- fedcurv-lora, class-incremental
 def spy_exchange(monkeypatch, action: str) -> dict:
-    seen, original = {}, fc.FedCurvLoRA.exchange
+    seen, original = {}, ewc.FedCurvLoRA.exchange
 
     def spy(self, grid, message_type, contents, rnd, *args, **kwargs):
         replies = original(self, grid, message_type, contents, rnd, *args, **kwargs)
@@ -284,7 +287,7 @@ def spy_exchange(monkeypatch, action: str) -> dict:
             seen[rnd] = replies
         return replies
 
-    monkeypatch.setattr(fc.FedCurvLoRA, "exchange", spy)
+    monkeypatch.setattr(ewc.FedCurvLoRA, "exchange", spy)
     return seen
 
 
@@ -294,16 +297,16 @@ def test_fedcurv_lora_averages_the_sites_fishers_and_keeps_one_lora(tiny, monkey
     summary, grid = run_inprocess(config, num_nodes=3)
     assert sorted(fishers) == [2, 4]  # after each task's last round, every site
     assert len(fishers[2]) == 3
-    assert all(not any(fc.RECORD in m.content for m in sent(grid, "train", r).values()) for r in (1, 2))
+    assert all(not any(ewc.RECORD in m.content for m in sent(grid, "train", r).values()) for r in (1, 2))
     round3 = sent(grid, "train", 3)[1]
     arrays = from_record(round3.content["arrays"])
     assert not any(k.endswith(".merged") for k in arrays)  # nothing merged: one LoRA for the whole run
     assert any(arrays[k].any() for k in arrays if k.endswith("lora_B"))  # task 1's LoRA carries on
-    got = fc.Quadratic.from_arrays(from_record(round3.content[fc.RECORD]))
+    got = reg.Quadratic.from_arrays(from_record(round3.content[ewc.RECORD]))
     replies = fishers[2]
     weights = np.array([r.num_examples for r in replies]) / sum(r.num_examples for r in replies)
     for k in arrays:  # u = the n_k-weighted Fisher of task 1, v = u ⊙ θ*_1 (the module round 3 starts from)
-        expected = sum(w * r.arrays[fc.FISHER + k].astype(np.float64) for w, r in zip(weights, replies))
+        expected = sum(w * r.arrays[reg.FISHER + k].astype(np.float64) for w, r in zip(weights, replies))
         np.testing.assert_allclose(got.u[k], expected, rtol=1e-5, atol=1e-12)
         np.testing.assert_allclose(got.v[k], got.u[k] * arrays[k], rtol=1e-5, atol=1e-12)
     assert not got.u["head.weight"][2:].any()  # aac: task 1's softmax never reaches task 2's rows
@@ -323,13 +326,13 @@ def test_fedcurv_lora_averages_the_sites_fishers_and_keeps_one_lora(tiny, monkey
 def test_the_ewc_penalty_holds_the_past_tasks_module(tiny, monkeypatch):
     """The Fisher-weighted distance of the final module from task 1's falls as λ grows."""
     ends = {}
-    original = fc.FedCurvLoRA.fisher_phase
+    original = ewc.FedCurvLoRA.fisher_phase
 
     def spy(self, grid, rnd):
         original(self, grid, rnd)
         ends[(self.cfg.fedcurv_lambda, rnd)] = (self.quadratic, OrderedDict(self.global_arrays))
 
-    monkeypatch.setattr(fc.FedCurvLoRA, "fisher_phase", spy)
+    monkeypatch.setattr(ewc.FedCurvLoRA, "fisher_phase", spy)
     for lam in (0.0, 1e6):
         run_inprocess(
             tiny(**INCREMENTAL, **{"strategy": "fedcurv-lora", "fedcurv-lambda": lam, "run-name": f"l{lam}"}), 2
@@ -353,8 +356,8 @@ def test_bad_config_and_a_negative_fisher_are_refused():
     assert (
         ExperimentConfig.from_run_config({**defaults(), "strategy": "fedcurv-lora"}).model_spec().adapter == "lora-qk"
     )
-    arrays = OrderedDict([("head.bias", np.zeros(2, np.float32)), (fc.FISHER + "head.bias", np.array([0.1, -1e-3]))])
-    assert "negative" in fc.fisher_problem(arrays)
-    assert fc.fisher_problem(OrderedDict([("head.bias", -np.ones(2))])) is None  # a module may be negative
+    arrays = OrderedDict([("head.bias", np.zeros(2, np.float32)), (reg.FISHER + "head.bias", np.array([0.1, -1e-3]))])
+    assert "negative" in reg.fisher_problem(arrays)
+    assert reg.fisher_problem(OrderedDict([("head.bias", -np.ones(2))])) is None  # a module may be negative
     reply = Reply(1, "site-0", arrays, {}, {})
-    assert fc.fisher_problem(reply.arrays) == f"{fc.FISHER}head.bias has negative values; a Fisher's diagonal is >= 0"
+    assert reg.fisher_problem(reply.arrays) == f"{reg.FISHER}head.bias has negative values; a Fisher's diagonal is >= 0"

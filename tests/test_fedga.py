@@ -16,8 +16,8 @@ from medflower.contract import to_record
 from medflower.data import DataError
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
-from medflower.strategies import fedga as ga
-from medflower.strategies.knowledge_pool import safe_name
+from medflower.strategies.continual import fedga as ga
+from medflower.strategies.continual.knowledge_pool import safe_name
 
 TASKS = {"strategy": "fedga", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "fedga-rounds": 3}
 SITE = {**{k: v for k, v in TASKS.items() if k != "strategy"}, "task-epochs": 2, "lr": 0.1}

@@ -12,9 +12,10 @@ from medflower.contract import from_record, unflatten
 from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
-from medflower.strategies import fedkei as fk
-from medflower.strategies import fedkei_bilevel as bl
-from medflower.strategies.knowledge_pool import KnowledgePool
+from medflower.strategies.continual import bilevel as bl
+from medflower.strategies.continual import fedkei as fk
+from medflower.strategies.continual import protocol
+from medflower.strategies.continual.knowledge_pool import KnowledgePool
 
 TASKS = {"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01, "batch-size": 32}
 
@@ -245,7 +246,7 @@ def test_fine_tuning_starts_exactly_from_the_alpha_weighted_cluster_modules(tiny
     """θ̃ = Σ_c α̂_c θ_c(β) (Eq. 5): the module the site fine-tunes from is built from the cluster modules the
     server sent and the α̂ the site reports, adapter and head parts each with their own α̂."""
     starts, replies = {}, {}
-    original_epochs, original_train = fk.train_epochs, fk.FedKEIClient.train
+    original_epochs, original_train = protocol.train_epochs, fk.FedKEIClient.train
 
     def spy_epochs(model, *args, **kwargs):
         starts[len(starts)] = model.get_trainable()
@@ -257,7 +258,7 @@ def test_fine_tuning_starts_exactly_from_the_alpha_weighted_cluster_modules(tiny
         replies[(int(message.metadata.group_id), self.rt.client)] = (starts[first], message, content)
         return content
 
-    monkeypatch.setattr(fk, "train_epochs", spy_epochs)
+    monkeypatch.setattr(protocol, "train_epochs", spy_epochs)
     monkeypatch.setattr(fk.FedKEIClient, "train", spy_train)
     config = tiny(**{**TASKS, "run-name": "init", "fedkei-k-adapter": 2, "fedkei-k-head": 2})
     run_inprocess(config, num_nodes=2)
@@ -384,13 +385,13 @@ def test_a_site_lacking_a_class_takes_its_own_class_order(tiny, monkeypatch):
     """fedkei-site-classes: site 1 learns class 3 where the run's order has class 2 (as FedKEI's Derm7pt takes VASC
     for AK); the other site keeps the run's order, and a list of another length is refused before task 1."""
     seen = []
-    original = fk.binary_task
+    original = protocol.binary_task
 
     def spy(dataset, order, task):
         seen.append((tuple(order), task))
         return original(dataset, order, task)
 
-    monkeypatch.setattr(fk, "binary_task", spy)
+    monkeypatch.setattr(protocol, "binary_task", spy)
     common = {**TASKS, "task-classes": "0,1,2", "num-tasks": 2}
     run_inprocess(tiny(**common, **{"run-name": "own", "fedkei-site-classes": "1=0,1,3"}), num_nodes=2)
     orders = {order for order, task in seen if task == 2}

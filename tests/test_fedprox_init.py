@@ -15,8 +15,8 @@ from medflower.contract import to_record
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
+from medflower.strategies.continual.fedprox_init import FedProxInit, FedProxInitClient
 from medflower.strategies.fedavg import PROXIMAL_MU
-from medflower.strategies.fedprox_init import FedProxInit, FedProxInitClient
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.05, "batch-size": 16}
 
@@ -37,7 +37,7 @@ def test_the_proximal_gradient_is_mu_times_the_distance_to_the_tasks_start(tmp_p
     start = {k: (v + 0.1 * rng.normal(size=v.shape)).astype(v.dtype) for k, v in rt.initial_arrays.items()}
     client = FedProxInitClient(rt)
     msg = message(2, start) if sent else message(1)
-    loss_fn, parts, device = client._setup()
+    loss_fn, parts, device = client.module_setup()
     client.initialise(msg, loss_fn, parts, device, None)
     extra = client.finetune_loss(msg, None)
     anchor = start if sent else rt.initial_arrays  # task 1: toward the fresh module

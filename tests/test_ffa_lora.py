@@ -14,7 +14,7 @@ from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.ffa_lora import FFALoRA, FFALoRAClient, trained_names
+from medflower.strategies.continual.ffa_lora import FFALoRA, FFALoRAClient, trained_names
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.05, "batch-size": 16}
 

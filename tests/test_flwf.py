@@ -16,8 +16,10 @@ from medflower.models import ModelSpec, build_model
 from medflower.models.qk_delta import qk_modules
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies import flwf as lwf
-from medflower.strategies.incremental_heads import MaskedLogits, logit_mask
+from medflower.strategies.continual import flwf
+from medflower.strategies.incremental import lwf_lora
+from medflower.strategies.incremental.heads import MaskedLogits, logit_mask
+from medflower.training import regularisers as reg
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.05, "batch-size": 32}
 
@@ -40,7 +42,7 @@ def test_the_distillation_loss_and_its_gradient_by_hand(temperature, blocks):
     n, width = 5, 4
     student, teacher = rng.normal(size=(n, width)) * 3, rng.normal(size=(n, width)) * 3
     s = torch.tensor(student, requires_grad=True)
-    loss = lwf.distillation_loss(s, torch.tensor(teacher), temperature, blocks)
+    loss = reg.distillation_loss(s, torch.tensor(teacher), temperature, blocks)
     loss.backward()
     q = softmax(student.reshape(n, blocks, -1) / temperature)
     p = softmax(teacher.reshape(n, blocks, -1) / temperature)
@@ -50,7 +52,7 @@ def test_the_distillation_loss_and_its_gradient_by_hand(temperature, blocks):
     # equal logits: no loss, no gradient; blocks are separate softmaxes (a shift of one block changes nothing)
     shifted = teacher.reshape(n, blocks, -1) + np.arange(blocks)[None, :, None] * 5.0
     assert float(
-        lwf.distillation_loss(torch.tensor(shifted.reshape(n, width)), torch.tensor(teacher), 2.0, blocks)
+        reg.distillation_loss(torch.tensor(shifted.reshape(n, width)), torch.tensor(teacher), 2.0, blocks)
     ) == (pytest.approx(0.0, abs=1e-6))
 
 
@@ -65,7 +67,7 @@ def test_flwf_teacher_is_the_sent_module_and_the_auxiliary_head_starts_on_it():
     }
     model.set_trainable(sent)
     paths = model.parameter_paths()
-    distiller = lwf.ModuleDistiller(model, {paths[k]: torch.as_tensor(v) for k, v in sent.items()}, 2.0, 1.0)
+    distiller = flwf.ModuleDistiller(model, {paths[k]: torch.as_tensor(v) for k, v in sent.items()}, 2.0, 1.0)
     x = torch.randn(3, 3, 16, 16)
     logits = distiller(x)
     old, target = distiller.pair
@@ -97,7 +99,9 @@ def test_lwf_lora_teacher_is_the_merged_model_without_lora_under_the_old_rows(cl
         "head.bias": model.head.bias[:k].detach().clone(),
     }
     mask = logit_mask(classifier, 2, 3, 6)
-    distiller = lwf.OldClassDistiller(MaskedLogits(model, mask), old_head, 2 if classifier == "aac" else 1, 2.0, 1.0)
+    distiller = lwf_lora.OldClassDistiller(
+        MaskedLogits(model, mask), old_head, 2 if classifier == "aac" else 1, 2.0, 1.0
+    )
     x = torch.randn(3, 3, 16, 16)
     logits = distiller(x)  # a fresh LoRA (B = 0): the model is the teacher
     old, target = distiller.pair
@@ -235,8 +239,8 @@ def test_bad_option_values_are_refused_with_the_key(strategy, key, value, why):
 
 
 def test_both_are_registered_with_the_shared_options():
-    assert STRATEGIES["flwf"] is lwf.FLwF and STRATEGIES["lwf-lora"] is lwf.LwFLoRA
-    for cls in (lwf.FLwF, lwf.LwFLoRA):
+    assert STRATEGIES["flwf"] is flwf.FLwF and STRATEGIES["lwf-lora"] is lwf_lora.LwFLoRA
+    for cls in (flwf.FLwF, lwf_lora.LwFLoRA):
         assert {o.key: o.default for o in cls.options if o.key.startswith("lwf-")} == {
             "lwf-temperature": 2.0,
             "lwf-lambda": 1.0,

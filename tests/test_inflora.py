@@ -16,8 +16,8 @@ from medflower.data import make_loader
 from medflower.inprocess import run_inprocess
 from medflower.models import ModelSpec, build_model
 from medflower.models.qk_delta import qk_modules
-from medflower.strategies import inflora as inf
-from medflower.strategies.lora_merge import lora_product
+from medflower.strategies.incremental import inflora as inf
+from medflower.strategies.incremental.lora_merge import lora_product
 
 
 def orthonormal(rng, d: int, k: int) -> np.ndarray:

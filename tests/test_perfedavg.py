@@ -18,7 +18,7 @@ from medflower.contract.checkpoint import Checkpointer
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
-from medflower.strategies.perfedavg import PerFedAvg, PerFedAvgClient, perfedavg_steps, personalise
+from medflower.strategies.continual.perfedavg import PerFedAvg, PerFedAvgClient, perfedavg_steps, personalise
 from medflower.training import OptimizerSpec
 
 TASKS = {"num-tasks": 2, "task-epochs": 2, "optimizer": "sgd", "lr": 0.01, "batch-size": 16}
@@ -113,13 +113,15 @@ def test_a_site_reports_the_personalised_curve_and_keeps_and_sends_the_meta_mode
         personalised.append((before, model.get_trainable(), len(batch[1])))
         return saved
 
-    import medflower.strategies.perfedavg as pfa
+    import medflower.strategies.continual.perfedavg as pfa
 
     monkeypatch.setattr(pfa, "personalise", spy)
     monkeypatch.setattr(pfa, "evaluate", lambda model, *a, **k: evaluated.append(model.get_trainable()) or {"auc": 0.5})
-    import medflower.strategies.fedkei as fk
+    import medflower.strategies.continual.protocol as protocol
 
-    monkeypatch.setattr(fk, "evaluate", lambda model, *a, **k: evaluated.append(model.get_trainable()) or {"auc": 0.5})
+    monkeypatch.setattr(
+        protocol, "evaluate", lambda model, *a, **k: evaluated.append(model.get_trainable()) or {"auc": 0.5}
+    )
     message = SimpleNamespace(content=RecordDict({"config": ConfigRecord({"round": 1})}))
     content = PerFedAvgClient(rt).train(message)
     sent = from_record(content["arrays"])

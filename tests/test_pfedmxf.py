@@ -19,9 +19,9 @@ from medflower.data.tasks import count_incremental_tasks, incremental_task
 from medflower.inprocess import run_inprocess
 from medflower.models import ModelSpec, build_model
 from medflower.models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_delta
-from medflower.strategies import incremental_heads as heads
-from medflower.strategies import lora_merge, spectral
-from medflower.strategies import pfedmxf as mx
+from medflower.strategies.incremental import fedstack, heads, lora_merge, spectral
+from medflower.strategies.incremental import pfedmxf as mx
+from medflower.strategies.incremental.protocol import HEAD
 
 
 def sent(grid, message_type: str, rnd: int):
@@ -498,7 +498,7 @@ def test_weight_decay_leaves_the_frozen_head_rows_bit_identical(tiny, monkeypatc
         trained[(task - 1) * c if classifier == "aac" else 0 : task * c] = True
         assert len(replies) == 2 and (~trained).any()
         for reply in replies:
-            for name in mx.HEAD:
+            for name in HEAD:
                 np.testing.assert_array_equal(reply.arrays[name][~trained], received[name][~trained])
                 assert not np.array_equal(reply.arrays[name][trained], received[name][trained])
 
@@ -549,14 +549,14 @@ def test_shared_frequencies_average_only_this_rounds_replies(tiny, monkeypatch):
 
 def test_fedstack_merges_the_exact_weighted_sum_every_round(tiny, monkeypatch):
     captured = {}
-    original = mx.FedStack.aggregate_updates
+    original = fedstack.FedStack.aggregate_updates
 
     def spy(self, rnd, task, replies):
         before = {k: v.copy() for k, v in self.merged.items()}
         original(self, rnd, task, replies)
         captured[rnd] = (replies, before, {k: v.copy() for k, v in self.merged.items()})
 
-    monkeypatch.setattr(mx.FedStack, "aggregate_updates", spy)
+    monkeypatch.setattr(fedstack.FedStack, "aggregate_updates", spy)
     config = tiny(**{**INCREMENTAL, "strategy": "fedstack", "run-name": "stack", "num-tasks": 1})
     _, grid = run_inprocess(config, num_nodes=3)
     replies, before, after = captured[1]

@@ -12,9 +12,9 @@ import torch
 from conftest import LinearModel, half_mse, half_mse_gradient, half_mse_loss
 from torch import nn
 
-import medflower.strategies.elcfs as el
+import medflower.strategies.continual.elcfs as el
+import medflower.strategies.continual.perfedavg as pfa
 import medflower.strategies.fedspeed as fs
-import medflower.strategies.perfedavg as pfa
 from medflower.privacy.dp_sgd import PrivateTraining
 from medflower.training import OptimizerSpec, StepLoss, task_loss, task_step, train_epochs
 

@@ -7,7 +7,8 @@ row per client, ``group_membership``), β_c = B_c / Σ_j B_cj (Eq. 3, ``normalis
 one epoch from α = 1/K, θ̃(α) = Σ_c α_c θ_c (Eqs. 5-6, ``inner_loop``), the outer loss's gradient at α_i^t
 (``outer_gradient``, Eq. 7) and ∇_{θ_c} L for every cluster module (Eq. 9's client factor, ``cluster_gradients``:
 exact, first-order or variant C's direct form), on the model with its module replaced by the flat vectors
-(``module_loss``). The protocol is in ``fedkei.py``.
+(``module_loss``; the continual protocol's sites use it and ``split_parts`` for every method). FedKEI's use of
+them is in ``fedkei.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..data import DataError
-from ..models import adapter_module
-from ..records import ArraySpec
+from ...data import DataError
+from ...models import adapter_module
+from ...records import ArraySpec
 
 PARTS = ("adapter", "head")  # clustered, weighted and sent separately (the paper's two parameter spaces)
 GRAD_MODES = ("exact", "first-order", "direct")  # direct = variant C (no back-propagation through the inner loop)

@@ -2,10 +2,10 @@
 Episodic Learning in Continuous Frequency Space", CVPR 2021) as a FedKEI baseline, adapted to FedKEI's continual
 protocol as the FedKEI paper's Table I does (docs/methods/baselines-continual.md#elcfs-elcfs).
 
-Task t ≥ 2 starts from the n_i-weighted mean of the knowledge pool (``PoolMeanInit``, as ``fedavg-init``). Before a
-task's fine-tuning the sites share amplitude spectra (the paper's distribution bank): each site sends the amplitude
-spectra of its task-t training images, the server relays to every site the other sites' ones. Fine-tuning is
-ELCFS's episodic step per batch (the authors' ``train_ELCFS.py``):
+Task t ≥ 2 starts from the n_i-weighted mean of the knowledge pool (``protocol.PoolMeanInit``, as
+``fedavg-init``). Before a task's fine-tuning the sites share amplitude spectra (the paper's distribution bank):
+each site sends the amplitude spectra of its task-t training images, the server relays to every site the other
+sites' ones. Fine-tuning is ELCFS's episodic step per batch (the authors' ``train_ELCFS.py``):
 
     θ' = θ − β·clip(∇_θ L(θ; x))                                         (meta-train on the raw batch x)
     x̃ = F⁻¹[((1 − λ)·A(x) + λ·A_n)·M + A(x)·(1 − M), P(x)]               (continuous frequency interpolation)
@@ -32,6 +32,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from logging import WARNING
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -41,16 +42,14 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..contract import from_record, register_strategy, to_record
-from ..data import make_loader
-from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD
-from ..options import Option, non_negative, one_of
-from ..training import OptimizerSpec
-from ..training.loops import StepLoss, train_epochs
-from ..training.losses import task_loss
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import ModuleStartClient
-from .fedprox_init import PoolMeanInit
+from ...contract import from_record, register_strategy, to_record
+from ...data import make_loader
+from ...data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ...options import Option, non_negative, one_of
+from ...training import OptimizerSpec
+from ...training.loops import StepLoss, train_epochs
+from ...training.losses import task_loss
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, PoolMeanInit
 
 RECORD = "elcfs"  # the fine-tuning message's record of the other sites' amplitude windows (site/<j>)
 AMPLITUDES = "amplitudes"  # the amplitude reply's array: [images, channels, 2b+1, 2b+1]
@@ -233,7 +232,7 @@ def amplitude_problem(value: np.ndarray, width: int) -> str | None:
     return None
 
 
-class ELCFSClient(ModuleStartClient):
+class ELCFSClient(ContinualClient):
     """Sends its amplitude windows on request; fine-tunes by ELCFS's episodic step with the other sites' windows
     (plainly without any); sends the module."""
 
@@ -317,9 +316,14 @@ class ELCFS(PoolMeanInit):
 
     name = "elcfs"
     client_half = ELCFSClient
-    options = (*FEDKEI_OPTIONS, WINDOW, INNER_LR, ORDER, BANK_SIZE)
+    options = (*CONTINUAL_OPTIONS, WINDOW, INNER_LR, ORDER, BANK_SIZE)
     extra_actions = (("train", "elcfs_amplitudes"),)
     reads_pixels = True  # the amplitude spectra are of the images
+    contract_case: ClassVar[dict[str, Any]] = {
+        **PoolMeanInit.contract_case,
+        "no_arrays_down": (),
+        "why": "walks fedkei's tasks; task 1's fine-tuning messages carry the other sites' amplitude windows",
+    }
 
     def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
         """The pool-mean start, and to every node the other sites' amplitude windows."""
@@ -338,7 +342,7 @@ class ELCFS(PoolMeanInit):
         action = "train.elcfs_amplitudes"
         ask = {n: RecordDict({"config": self.base_config(task)}) for n in nodes}
         counts = {}
-        for reply in self._phase(grid, action, ask, task, None, "amplitude_counts"):
+        for reply in self.counted_exchange(grid, action, ask, task, None, "amplitude_counts"):
             if "num-examples" not in reply.metrics:
                 self.reject(task, action, reply.client, "an amplitude count reply must declare num-examples")
             elif reply.num_examples > 0:
@@ -352,7 +356,7 @@ class ELCFS(PoolMeanInit):
             return OrderedDict([(AMPLITUDES, ((send[node], CHANNELS, width, width), "float32"))])
 
         banks = {}
-        for reply in self._phase(grid, action, contents, task, expect, "amplitudes"):
+        for reply in self.counted_exchange(grid, action, contents, task, expect, "amplitudes"):
             if problem := amplitude_problem(reply.arrays[AMPLITUDES], width):
                 self.reject(task, action, reply.client, problem)
                 continue

@@ -22,11 +22,9 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from ..contract import from_record, register_strategy
-from ..options import bad
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import ModuleStartClient
-from .fedprox_init import PoolMeanInit
+from ...contract import from_record, register_strategy
+from ...options import bad
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, PoolMeanInit
 
 FROZEN_LORA = ".lora_A."  # a LoRA A matrix: frozen at its seeded initialisation, never sent
 
@@ -36,7 +34,7 @@ def trained_names(names: Iterable[str]) -> list[str]:
     return [n for n in names if FROZEN_LORA not in n]
 
 
-class FFALoRAClient(ModuleStartClient):
+class FFALoRAClient(ContinualClient):
     """Fine-tunes B and the head with every A frozen at its seeded value; sends B and the head."""
 
     def initialise(self, message: Message, loss_fn, parts: OrderedDict, device: torch.device, train) -> dict:
@@ -78,7 +76,7 @@ class FFALoRA(PoolMeanInit):
 
     name = "ffa-lora"
     client_half = FFALoRAClient
-    options = FEDKEI_OPTIONS
+    options = CONTINUAL_OPTIONS
 
     @classmethod
     def check_config(cls, cfg, check_paths: bool) -> None:

@@ -1,5 +1,5 @@
 """InfLoRA (Yan-Shuo Liang and Wu-Jun Li, "InfLoRA: Interference-Free Low-Rank Adaptation for Continual Learning",
-CVPR 2024) in the federated class-incremental protocol of ``pfedmxf.py``
+CVPR 2024) in the federated class-incremental protocol (``protocol.py``)
 (docs/methods/baselines-incremental.md#inflora-inflora).
 
 LoRA on the q and k slices, ΔW = (alpha/r)·B A, with the dimensionality-reduction matrix A [r, d_in] *designed*
@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import scipy.linalg
@@ -37,13 +37,14 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..contract import ArraySpec, Reply, count_check, from_record, register_strategy, to_record, weighted_mean
-from ..data import make_loader
-from ..data.tasks import incremental_task
-from ..models.qk_delta import QKDelta, qk_modules
-from ..options import Option, bad, unit_interval_open_left
+from ...contract import ArraySpec, Reply, count_check, from_record, register_strategy, to_record, weighted_mean
+from ...data import make_loader
+from ...data.tasks import incremental_task
+from ...models.qk_delta import QKDelta, qk_modules
+from ...options import Option, bad, unit_interval_open_left
+from .fedavg_lora import FedAvgLoRA
 from .lora_merge import lora_product
-from .pfedmxf import HEAD, INCREMENTAL_OPTIONS, FedAvgLoRA, LoRAClient
+from .protocol import HEAD, INCREMENTAL_OPTIONS, LoRAClient
 
 OLD_EXAMPLES = "inflora-old-examples"  # a stats reply's count of the previous task's rows
 OPTIONS = (
@@ -212,6 +213,11 @@ class InfLoRA(FedAvgLoRA):
     client_half = InfLoRAClient
     options = (*INCREMENTAL_OPTIONS, *OPTIONS)
     extra_actions = (("train", "inflora_stats"),)
+    contract_case: ClassVar[dict[str, Any]] = {
+        **FedAvgLoRA.contract_case,
+        "stop_after": 2,
+        "why": "stops at the end of task 1: the resumed run designs task 2's A",
+    }
 
     @classmethod
     def check_config(cls, cfg, check_paths: bool) -> None:

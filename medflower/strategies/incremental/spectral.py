@@ -12,7 +12,7 @@ coordinate held by one site keeps its value, a shared one gets the n_k-weighted 
 shared-frequency ablation"); a site turns received coefficients into a dense spectrum (``dense_spectrum``) for
 ``models/qk_delta.py``'s Re(IDFT2).
 
-The protocol (which arrays travel, the server and client halves) is in ``pfedmxf.py``.
+Which arrays travel, and pFedMxF's server and client halves, are in ``pfedmxf.py``.
 """
 
 from __future__ import annotations

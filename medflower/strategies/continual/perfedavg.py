@@ -30,15 +30,13 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..contract import register_strategy
-from ..data import make_loader
-from ..options import Option, positive
-from ..training import OptimizerSpec, evaluate
-from ..training.loops import StepLoss, autocast, train_epochs
-from ..training.losses import task_loss
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import ModuleStartClient
-from .fedprox_init import PoolMeanInit
+from ...contract import register_strategy
+from ...data import make_loader
+from ...options import Option, positive
+from ...training import OptimizerSpec, evaluate
+from ...training.loops import StepLoss, autocast, train_epochs
+from ...training.losses import task_loss
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, PoolMeanInit
 
 PERFEDAVG_ALPHA = Option(
     "perfedavg-alpha",
@@ -136,7 +134,7 @@ def personalise(
 
 
 # ----------------------------------------------------------------------------- client half
-class PerFedAvgClient(ModuleStartClient):
+class PerFedAvgClient(ContinualClient):
     """Fine-tunes by Per-FedAvg (FO) meta-steps from the task's start; reports the personalised model's AUC after every
     epoch; sends the meta-model."""
 
@@ -201,4 +199,4 @@ class PerFedAvg(PoolMeanInit):
 
     name = "per-fedavg"
     client_half = PerFedAvgClient
-    options = (*FEDKEI_OPTIONS, PERFEDAVG_ALPHA)
+    options = (*CONTINUAL_OPTIONS, PERFEDAVG_ALPHA)

@@ -6,7 +6,7 @@ over that task's classes (Eq. 16, ``logit_mask`` and ``MaskedLogits``) and predi
 (Eqs. 17-18, ``aac_log_probs``; μ_t from ``task_prototypes``, set by ``set_block_mean`` to ``mean_feature`` with
 ``aac-prototype='feature-mean'``); ``unified`` trains and predicts with one softmax over every seen class (Eq. 15).
 ``frozen_rows`` keeps the rows outside a step's softmax bit-identical, weight decay included. The heads are
-averaged by n_k (Eq. 19) on the server, in ``pfedmxf.py``.
+averaged by n_k (Eq. 19) on the server, in ``protocol.py``.
 """
 
 from __future__ import annotations

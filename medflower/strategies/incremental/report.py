@@ -1,4 +1,4 @@
-"""The class-incremental strategies' outputs (pfedmxf, fedavg-lora, fedstack; docs/methods/pfedmxf.md, "Results"):
+"""The class-incremental protocol's outputs (every strategy of it; docs/methods/pfedmxf.md, "Results"):
 accuracy over the classes seen so far after every task, and the paper's Last and Avg.
 
 ``incremental_summary`` gives summary.json's ``incremental`` table and its ``final`` (Last, Avg, pooled over the
@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ..results import RunReport, cell, finite_mean, json_value
+from ...results import RunReport, cell, finite_mean, json_value
 
 INCREMENTAL_METRICS = ("accuracy", "router_accuracy", "within_task_accuracy")
 

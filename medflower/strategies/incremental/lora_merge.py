@@ -3,7 +3,7 @@
 ``fedavg-lora`` averages A and B separately (Eq. 5; ``records.weighted_mean``), so B̄Ā carries the interference
 term of Eq. 6, and merges ``lora_product`` into the frozen weights at the end of each task. ``fedstack`` (FLoRA)
 stacks p_k-scaled B_k and A_k on the rank axis (``stack_lora``, Eq. 7), so B A = Σ_k p_k B_k A_k exactly (Eq. 8).
-The protocol is in ``pfedmxf.py``.
+The strategies are ``fedavg_lora.py`` and ``fedstack.py``; the protocol is ``protocol.py``.
 """
 
 from __future__ import annotations

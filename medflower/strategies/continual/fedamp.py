@@ -19,13 +19,11 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..contract import from_record, register_strategy, stack_flat, to_record, unflatten
-from ..options import Option, bad, non_negative, positive
-from ..training import ExtraLoss
-from .apple import latest_modules
-from .fedavg import proximal_term
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, ModuleStartClient
+from ...contract import from_record, register_strategy, stack_flat, to_record, unflatten
+from ...options import Option, bad, non_negative, positive
+from ...training import ExtraLoss
+from ..fedavg import proximal_term
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, ContinualStrategy, latest_modules
 
 FEDAMP_OPTIONS = (
     Option(
@@ -87,7 +85,7 @@ def attention_weights(modules: np.ndarray, i: int, alpha: float, sigma: float) -
     return xi
 
 
-class FedAMPClient(ModuleStartClient):
+class FedAMPClient(ContinualClient):
     """A site's task: start from the received cloud model u_i, fine-tune with (λ/2α)·‖θ − u_i‖², upload θ_i^t."""
 
     def finetune_loss(self, message: Message, train) -> ExtraLoss | None:
@@ -104,7 +102,7 @@ class FedAMPClient(ModuleStartClient):
 
 
 @register_strategy
-class FedAMP(FedKEI):
+class FedAMP(ContinualStrategy):
     """FedAMP (Huang et al., AAAI 2021) in FedKEI's protocol: each site starts task t from its personalised cloud
     model u_i, the attention-weighted sum of the previous task's modules, and fine-tunes close to it.
 
@@ -114,9 +112,7 @@ class FedAMP(FedKEI):
 
     name = "fedamp"
     client_half = FedAMPClient
-    uses_variants = False  # its own start: fedkei-variant is refused
-    options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *FEDAMP_OPTIONS)
-    extra_actions = ()
+    options = (*CONTINUAL_OPTIONS, *FEDAMP_OPTIONS)
 
     @classmethod
     def check_config(cls, cfg, check_paths: bool) -> None:

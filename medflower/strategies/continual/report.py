@@ -1,4 +1,5 @@
-"""FedKEI's outputs (docs/methods/fedkei.md, "Outputs of a continual run"): per-task tables and curves.
+"""The continual protocol's outputs (docs/methods/fedkei.md, "Outputs of a continual run"): per-task tables and
+curves.
 
 summary.json gets ``tasks`` (per task the mean over clients of the final AUC, LCA and AUC at initialisation, and
 every client's values), ``final`` (the means over tasks, the paper's Table I) and ``per_client`` (each client's
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..results import RunReport, cell, finite_mean, json_value
+from ...results import RunReport, cell, finite_mean, json_value
 
 CONTINUAL_METRICS = ("auc", "lca", "auc_init")
 

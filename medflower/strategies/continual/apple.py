@@ -25,13 +25,11 @@ import numpy as np
 import torch
 from flwr.app import Message, RecordDict
 
-from ..contract import register_strategy, stack_flat, to_record, unflatten
-from ..data import DataError, make_loader
-from ..options import Option, non_negative, one_of, positive
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, FedKEIClient
-from .fedkei_bilevel import LossFn
-from .knowledge_pool import KnowledgePool, PoolEntry
+from ...contract import register_strategy, stack_flat, to_record, unflatten
+from ...data import DataError, make_loader
+from ...options import Option, non_negative, one_of, positive
+from .bilevel import LossFn
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, ContinualStrategy, latest_modules
 
 P0 = "apple-p0"  # the config entry of a task's message that carries p_0
 MOMENTUM = 0.9  # the authors' SGD momentum for p (train_APPLE.py), not a run-config key
@@ -70,17 +68,6 @@ APPLE_OPTIONS = (
         "apple",
     ),
 )
-
-
-def latest_modules(pool: KnowledgePool, task: int) -> tuple[list[PoolEntry], list[OrderedDict[str, np.ndarray]]]:
-    """The pooled modules of the latest task before ``task`` (task t − 1 unless no site finished it), in client
-    order; empty while the pool is."""
-    tasks = [e.task for e in pool.entries if e.task < task]
-    if not tasks:
-        return [], []
-    latest = max(tasks)
-    chosen = [(e, m) for e, m in zip(pool.entries, pool.modules) if e.task == latest]
-    return [e for e, _ in chosen], [m for _, m in chosen]
 
 
 def reg_weight(step: int, steps: int, mu: float, fraction: float, schedule: str) -> float:
@@ -140,7 +127,7 @@ def learn_relationships(
     return Relationships(p.detach(), total / done, done)
 
 
-class AppleClient(FedKEIClient):
+class AppleClient(ContinualClient):
     """A site's task: learn p over the received modules, start from Σ_j p_j θ_j, fine-tune, upload its module."""
 
     def initialise(self, message: Message, loss_fn, parts: OrderedDict, device: torch.device, train) -> dict[str, Any]:
@@ -148,7 +135,7 @@ class AppleClient(FedKEIClient):
         rt.model.set_trainable(rt.initial_arrays)
         if "arrays" not in message.content.array_records:
             return {}  # task 1 or an empty pool: a fresh module, as FedKEI's
-        modules = self._clusters(message, parts, device)
+        modules = self.stacked_modules(message, parts, device)
         p0 = torch.tensor(list(message.content["config"][P0]), dtype=modules[0].dtype, device=device)
         if p0.shape != (modules[0].shape[0],) or any(m.shape[0] != len(p0) for m in modules):
             raise ValueError(f"received {len(p0)} weights p_0 for {[m.shape[0] for m in modules]} modules")
@@ -182,7 +169,7 @@ class AppleClient(FedKEIClient):
 
 
 @register_strategy
-class Apple(FedKEI):
+class Apple(ContinualStrategy):
     """APPLE (Luo and Wu, IJCAI 2022) in FedKEI's protocol: each site learns its weights p_i over the previous task's
     modules of all sites on the new task's data and starts from Σ_j p_ij θ_j^{t−1}.
 
@@ -192,9 +179,7 @@ class Apple(FedKEI):
 
     name = "apple"
     client_half = AppleClient
-    uses_variants = False  # its own start: fedkei-variant is refused
-    options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *APPLE_OPTIONS)
-    extra_actions = ()
+    options = (*CONTINUAL_OPTIONS, *APPLE_OPTIONS)
 
     def task_contents(self, grid, task: int, nodes: list[int]) -> dict[int, RecordDict]:
         """The latest pooled task's N modules, stacked per part ([N, P]), and p_0 = n_j / Σ n (the authors'

@@ -1,8 +1,8 @@
-"""FedKEI's knowledge pool (docs/methods/fedkei.md, "Spec as implemented"): every site's module θ_i^t after every
-task, one safetensors file each under the run's ``checkpoint/pool/``, indexed in the strategy's checkpoint.
+"""The continual protocol's knowledge pool (docs/methods/fedkei.md, "Spec as implemented"): every site's module θ_i^t
+after every task, one safetensors file each under the run's ``checkpoint/pool/``, indexed in the strategy's checkpoint.
 
 The pooled modules, as rows of Θ in (task, client) order, are what the server clusters (Eq. 3) and weights
-(Eq. 4); ``fedavg-init`` starts a task from their n_i-weighted mean.
+(Eq. 4); ``fedavg-init`` and the pool-mean baselines start a task from their n_i-weighted mean.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ..records import ArraySpec, stack_flat, validate_arrays
-from ..results import safe_name
+from ...records import ArraySpec, stack_flat, validate_arrays
+from ...results import safe_name
 
 
 @dataclass

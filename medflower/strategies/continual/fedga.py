@@ -30,14 +30,12 @@ import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
-from ..contract import PersonalState, from_record, register_strategy, to_record, weighted_mean
-from ..data import DataError, make_loader
-from ..data.tasks import binary_task
-from ..options import Option, bad, positive
-from ..training import evaluate
-from .apple import latest_modules
-from .fedkei import OPTIONS as FEDKEI_OPTIONS
-from .fedkei import FedKEI, ModuleStartClient
+from ...contract import PersonalState, from_record, register_strategy, to_record, weighted_mean
+from ...data import DataError, make_loader
+from ...data.tasks import binary_task
+from ...options import Option, bad, positive
+from ...training import evaluate
+from .protocol import CONTINUAL_OPTIONS, ContinualClient, ContinualStrategy, latest_modules
 
 GAP = "fedga_gap"  # the metric a gap reply carries
 SOURCE = "fedga-task"  # the config entry of a gap message: the task whose modules are aggregated
@@ -90,7 +88,7 @@ def ga_update(weights: np.ndarray, gaps: Mapping[int, float], step: float) -> np
 
 
 # ----------------------------------------------------------------------------- client half
-class FedGAClient(ModuleStartClient):
+class FedGAClient(ContinualClient):
     """Starts from the sent module (fresh without one), fine-tunes as FedKEI's sites, keeps its module's loss on the
     task's validation split; ``fedga_gap`` answers G_i of a received aggregate."""
 
@@ -128,7 +126,7 @@ class FedGAClient(ModuleStartClient):
 
 # ----------------------------------------------------------------------------- server half
 @register_strategy
-class FedGA(FedKEI):
+class FedGA(ContinualStrategy):
     """FedGA (Zhang et al., CVPR 2023) in FedKEI's protocol: task t ≥ 2 starts from Σ_i a_i θ_i^{t−1}, the weights a
     tuned by ``fedga-rounds`` rounds of generalization-gap feedback from the sites.
 
@@ -139,8 +137,7 @@ class FedGA(FedKEI):
 
     name = "fedga"
     client_half = FedGAClient
-    uses_variants = False  # its own start: fedkei-variant is refused
-    options = (*(o for o in FEDKEI_OPTIONS if o.key in ("task-epochs", "fedkei-site-classes")), *FEDGA_OPTIONS)
+    options = (*CONTINUAL_OPTIONS, *FEDGA_OPTIONS)
     extra_actions = (("train", "fedga_gap"),)
 
     @classmethod
