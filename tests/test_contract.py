@@ -1,9 +1,10 @@
 """The strategy contract, once for every registered strategy (timm tests every registered model the same way; peft
 runs one shared tester over a case matrix).
 
-Parametrised over ``sorted(STRATEGIES)``: a strategy is covered the moment it registers. ``CASES`` is the one
-table of per-strategy settings; a strategy missing from it runs with the plain ``TINY`` config and the default
-expectations (it sends arrays both ways every round, logs a valid training reply as a "train" record).
+Parametrised over ``sorted(STRATEGIES)``: a strategy is covered the moment it registers. What a strategy needs
+beyond the plain ``TINY`` config is its class's ``contract_case`` (a protocol's base states it once for its family,
+so its baselines inherit it); without one it runs with ``TINY`` and the default expectations (it sends arrays both
+ways every round, logs a valid training reply as a "train" record).
 
 Three runs per strategy, 3 in-process nodes, all with the same faults (``Faults``); R rounds, a stop after round
 S (``Case.stop_after``, default R - 1):
@@ -28,13 +29,13 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import INCREMENTAL, MIXED_TASKS, TINY, records, run_dir_of
+from conftest import TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, Message
 from safetensors.numpy import load_file
 
@@ -49,10 +50,11 @@ UNEXPECTED = "unexpected/array"
 CRASH = "disk full at this site"
 
 
-# ----------------------------------------------------------------------------- the case table
+# ----------------------------------------------------------------------------- the cases, from the registry
 @dataclass(frozen=True)
 class Case:
-    """What a strategy needs beyond the plain tiny config, and what it is expected to send."""
+    """What a strategy needs beyond the plain tiny config, and what it is expected to send: its class's
+    ``contract_case`` (``FederatedStrategy.contract_case``), which a protocol's base states once for its family."""
 
     config: dict[str, Any] = field(default_factory=dict)
     rounds: int = 3  # iterations of the run (rounds; FedKEI: tasks; incremental: tasks x rounds-per-task)
@@ -66,56 +68,18 @@ class Case:
     def stop(self) -> int:
         return self.stop_after or self.rounds - 1
 
+    @classmethod
+    def of(cls, strategy: type) -> Case:
+        facts = dict(strategy.contract_case)
+        down = facts.pop("no_arrays_down", ())
+        if down == "all":
+            rule = lambda rnd: True  # noqa: E731
+        elif isinstance(down, dict):
+            rule = lambda rnd, after=down["after"]: rnd > after  # noqa: E731
+        else:
+            rule = lambda rnd, rounds=frozenset(down): rnd in rounds  # noqa: E731
+        return cls(no_arrays_down=rule, **facts)
 
-SGD = {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05}  # scaffold refuses adaptive optimizers
-SUB_MODELS = MIXED_TASKS  # 2 segmentation sites, 1 classification
-METRICS_ONLY = (
-    "exempt from corrupting an array: its training reply carries metrics only (the model stays on the "
-    "site); an unexpected array is injected instead and must be rejected all the same"
-)
-
-CASES: dict[str, Case] = {
-    "scaffold": Case(SGD),
-    "sgca": Case({"sgca-solver": "closed-form"}),
-    "lat": Case({"sgca-solver": "closed-form"}),
-    "local": Case(arrays_up=False, no_arrays_down=lambda rnd: True, why=METRICS_ONLY + "; nothing is sent down"),
-    "sift": Case(
-        {"sift-variant": "trainable-head", "sift-batch-size": 32, "sift-lr-first": 0.05, "sift-lr": 0.01},
-        why="'trainable-head': a linear head needs no class embeddings",
-    ),
-    "fedkei": Case(
-        {"num-tasks": 3, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01},
-        train_kind="eval",
-        no_arrays_down=lambda task: task == 1,
-        why="walks tasks; task 1 starts from a fresh module (nothing sent down); a fine-tuning reply is "
-        "logged as the task's 'eval' record",
-    ),
-    "elcfs": Case(
-        {"num-tasks": 3, "task-epochs": 1, "optimizer": "sgd", "lr": 0.01},
-        train_kind="eval",
-        why="walks fedkei's tasks; task 1's fine-tuning messages carry the other sites' amplitude windows",
-    ),
-    "pfedmxf": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
-    "fedstack": Case(INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1; round 3 has no fault"),
-    "fedavg-lora": Case(INCREMENTAL, rounds=4, why="stops inside task 2, where the averaged LoRA carries over"),
-    "inflora": Case(
-        INCREMENTAL, rounds=4, stop_after=2, why="stops at the end of task 1: the resumed run designs task 2's A"
-    ),
-    "lwf-lora": Case(INCREMENTAL, rounds=4, why="stops inside task 2, where the old head rows carry over"),
-    "fedcurv-lora": Case(
-        INCREMENTAL, rounds=4, stop_after=2, why="stops after task 1's Fisher phase: the resumed run sends its penalty"
-    ),
-    **{
-        name: Case(SUB_MODELS)
-        for name in ("fedbkd", "heterofl", "fedrolex", "feddrop", "submodel-fedprox", "ditto", "matfl", "fedhca2")
-    },
-    "submodel-local": Case(
-        SUB_MODELS,
-        arrays_up=False,
-        no_arrays_down=lambda rnd: rnd > 1,
-        why=METRICS_ONLY + "; round 1 sends the seeded encoder to cut the sub-encoder from",
-    ),
-}
 
 # (strategy, check) -> reason: real contract failures, to be fixed (strict: the xfail must keep failing). Checks:
 # "outputs", "rejected", "failed", "resume", "bytes"; "runs" marks the whole parameter (its runs crash).
@@ -123,10 +87,8 @@ XFAIL: dict[tuple[str, str], str] = {}
 
 
 def case_of(name: str) -> Case:
-    """The strategy's case; a FedKEI baseline without its own (a subclass of fedkei's server) walks fedkei's tasks."""
-    if name not in CASES and "fedkei" in STRATEGIES and issubclass(STRATEGIES[name], STRATEGIES["fedkei"]):
-        return CASES["fedkei"]
-    return CASES.get(name, Case())
+    """The registered strategy's case (its class's ``contract_case``, inherited from its protocol's base)."""
+    return Case.of(STRATEGIES[name])
 
 
 # ----------------------------------------------------------------------------- faults, in test code only
@@ -217,7 +179,7 @@ def corrupt(reply: Message, kind: str) -> None:
     if kind in ("nan", "shape"):
         record = reply.content["arrays"]
         name = next((k for k in record if np.dtype(record[k].dtype).kind == "f"), None)
-        assert name is not None, "no float array in the training reply: declare arrays_up=False in CASES, with why"
+        assert name is not None, "no float array in the training reply: say arrays_up=False in contract_case, and why"
         value = record[name].numpy()
         bad = np.full_like(value, np.nan) if kind == "nan" else np.concatenate([value, value[:1]]).astype(value.dtype)
         record[name] = Array(bad)
@@ -478,6 +440,11 @@ def test_the_docstring_says_what_leaves_a_site(name):
     assert "Leaves a site:" in (STRATEGIES[name].__doc__ or ""), f"{STRATEGIES[name].__qualname__}'s docstring"
 
 
-def test_the_case_table_names_registered_strategies_only():
-    assert set(CASES) <= set(STRATEGIES) and {s for s, _ in XFAIL} <= set(STRATEGIES)
-    assert all(case.why for case in CASES.values() if not case.arrays_up), "an exemption needs its reason"
+def test_the_cases_are_valid_and_an_exemption_says_why():
+    assert {s for s, _ in XFAIL} <= set(STRATEGIES)
+    for name, strategy in STRATEGIES.items():
+        facts = strategy.contract_case
+        assert set(facts) <= {f.name for f in fields(Case)}, f"{name}: unknown contract_case keys {set(facts)}"
+        case = case_of(name)
+        assert 1 <= case.stop < case.rounds, f"{name}: stop_after must fall inside the run"
+        assert case.arrays_up or case.why, f"{name}: an exemption from sending arrays needs its reason"

@@ -128,6 +128,10 @@ class Scaffold(FederatedStrategy):
     """
 
     name = "scaffold"
+    contract_case = {
+        "config": {"optimizer": "sgd", "momentum": 0.0, "lr": 0.05},
+        "why": "SCAFFOLD's control variates assume plain SGD steps (it refuses adaptive optimizers)",
+    }
     global_model = True
     client_half = ScaffoldClient
     folds_evaluation = True

@@ -117,6 +117,11 @@ class Local(FederatedStrategy):
     """
 
     name = "local"
+    contract_case = {
+        "arrays_up": False,
+        "no_arrays_down": "all",
+        "why": "its training reply carries metrics only (the model stays on the site); nothing is sent down",
+    }
     client_half = LocalClient
     folds_evaluation = True
     trains_backbone = True

@@ -149,6 +149,10 @@ class SiFT(FederatedStrategy):
     """
 
     name = "sift"
+    contract_case = {
+        "config": {"sift-variant": "trainable-head", "sift-batch-size": 32, "sift-lr-first": 0.05, "sift-lr": 0.01},
+        "why": "'trainable-head': a linear head needs no class embeddings",
+    }
     client_half = SiFTClient
     options = OPTIONS
     client_dp = ("site",)  # each hop of the relay sends on a noised update of the pair it received

@@ -33,6 +33,7 @@ import torch
 from flwr.app import Message, RecordDict
 from flwr.common.logger import log
 
+from ... import run_folder
 from ...contract import ArraySpec, ClientHalf, FederatedStrategy, Reply, from_record, to_record, weighted_mean
 from ...data import DataError, make_loader
 from ...data.tasks import (
@@ -253,7 +254,7 @@ class ContinualStrategy(FederatedStrategy):
     def setup(self, initial: Mapping[str, np.ndarray]) -> None:
         cfg = self.cfg
         self.parts = split_parts(self.spec)
-        self.pool = KnowledgePool(self.recorder.run_dir / "checkpoint" / "pool", self.spec)
+        self.pool = KnowledgePool(self.recorder.run_dir / run_folder.CHECKPOINT / "pool", self.spec)
         self.num_tasks = count_tasks(self.task_class_order(), cfg.num_tasks)
         names = cfg.server_class_names(self.num_classes)
         for site, own in parse_site_task_classes(cfg.fedkei_site_classes).items():
