@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_dir_of
+from helpers import run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 
 from medflower import app_pin
 from medflower.app_pin import AppIdentity, AppPinError, check_pin

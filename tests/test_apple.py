@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, extended_by_a_task, records, run_dir_of
+from helpers import TINY, extended_by_a_task, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import unflatten

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
 from flwr.app import RecordDict
+from helpers import TINY, records, run_dir_of
 from safetensors.numpy import save_file
 
 from medflower.config import ConfigError, ExperimentConfig, defaults

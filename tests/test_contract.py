@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, Message
+from helpers import TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.contract import Checkpointer, ClientRuntime

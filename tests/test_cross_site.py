@@ -12,7 +12,7 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import TINY, records
+from helpers import TINY, records
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.server import FederatedStrategy, scalar_metrics

@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of
+from helpers import TINY, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.data import load_client_data, make_loader

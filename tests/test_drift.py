@@ -6,7 +6,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults

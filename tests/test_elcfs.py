@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 from flwr.app import Array, ConfigRecord, RecordDict
+from helpers import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import from_record, to_record

@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.checkpoint import Checkpointer

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+from helpers import TINY, records, run_dir_of
 from test_contract import canonical, case_of, restart_processes, same_arrays
 
 from medflower.contract import Checkpointer

@@ -6,7 +6,7 @@ from collections import OrderedDict, defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
+from helpers import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import INCREMENTAL, records, run_dir_of
+from helpers import INCREMENTAL, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import from_record

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of, site_runtime
 from flwr.app import ConfigRecord, RecordDict
+from helpers import TINY, records, run_dir_of, site_runtime
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of
+from helpers import TINY, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import spec_of

@@ -4,7 +4,7 @@ the β step, k-means++ clusters, the knowledge pool, the protocol in process, fa
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults

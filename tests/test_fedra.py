@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of, site_runtime
 from flwr.app import ConfigRecord, RecordDict
+from helpers import TINY, records, run_dir_of, site_runtime
 from torch import nn
 
 from medflower.config import ExperimentConfig, defaults

@@ -5,7 +5,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from conftest import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
+from helpers import TINY, records, run_dir_of, send_to_site, site_runtime, training_starts
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import from_record

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of
 from flwr.app import ConfigRecord, Context, RecordDict
+from helpers import TINY, half_mse, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import ClientRuntime, Reply, from_record, to_record
@@ -34,11 +34,6 @@ class Linear(torch.nn.Module):
         if self.training:
             self.passes += 1
         return x @ self.w + self.b
-
-
-def half_mse(pred, y):
-    """L = ½·mean((x·w + b − y)²): ∇_w = Xᵀr/n, ∇_b = mean(r) with r = Xw + b − y."""
-    return 0.5 * ((pred - y) ** 2).mean()
 
 
 RNG = np.random.default_rng(0)

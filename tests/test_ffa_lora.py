@@ -5,7 +5,7 @@ with the fixed A (so the mean of the pooled updates B·A is exact), bytes per ta
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, records, run_dir_of
+from helpers import TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
@@ -96,7 +96,7 @@ def test_the_mean_of_the_pooled_b_times_the_shared_a_is_the_mean_of_the_updates(
 
 
 def test_a_frozen_a_gets_no_gradient_while_b_does(tmp_path):
-    from conftest import site_runtime
+    from helpers import site_runtime
 
     rt = site_runtime(tmp_path, "ffa-lora", **TASKS)
     params = rt.model.trainable_parameters()

@@ -5,7 +5,7 @@ array for array, what the servers send, resume, and bad option values."""
 import numpy as np
 import pytest
 import torch
-from conftest import INCREMENTAL, TINY, records, run_dir_of
+from helpers import INCREMENTAL, TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults

@@ -6,7 +6,7 @@ resume, bad config). Faults and resume after a task boundary: tests/test_contrac
 import numpy as np
 import pytest
 import torch
-from conftest import INCREMENTAL, records, run_dir_of
+from helpers import INCREMENTAL, records, run_dir_of, sent
 from test_contract import restart_processes
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
@@ -22,10 +22,6 @@ from medflower.strategies.incremental.lora_merge import lora_product
 
 def orthonormal(rng, d: int, k: int) -> np.ndarray:
     return np.linalg.qr(rng.normal(size=(d, k)))[0]
-
-
-def sent(grid, message_type: str, rnd: int):
-    return [m for m in grid.sent if m.metadata.message_type == message_type and m.metadata.group_id == str(rnd)]
 
 
 # ----------------------------------------------------------------------------- the maths

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LITEMEDSAM, records, run_dir_of, write_tiny_litemedsam
+from helpers import TINY_LITEMEDSAM, records, run_dir_of, write_tiny_litemedsam
 
 from medflower.config import ConfigError, ExperimentConfig
 from medflower.data.encoded import BoxPrompts, EncodedDataset, encoded, module_digest
@@ -483,7 +483,7 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
 def test_a_sites_joining_query_does_not_wait_for_its_encoder_outputs(tiny_file, tmp_path, monkeypatch):
     """The query a site answers when it joins needs only its number of training images: the frozen-encoder mode's
     encoding waits for its first training message."""
-    from conftest import site_runtime
+    from helpers import site_runtime
 
     from medflower.data import encoded as encoded_module
     from medflower.strategies.fedavg import FedAvgClient

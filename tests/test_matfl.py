@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import MIXED_TASKS, TINY, records, run_dir_of
+from helpers import MIXED_TASKS, TINY, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer, spec_of

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 from flwr.app import ConfigRecord, RecordDict
+from helpers import TINY, LinearModel, half_mse, half_mse_gradient, half_mse_loss, records, run_dir_of, site_runtime
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults

@@ -6,7 +6,7 @@ strategy: tests/test_contract.py)."""
 import numpy as np
 import pytest
 import torch
-from conftest import INCREMENTAL, records, run_dir_of
+from helpers import INCREMENTAL, records, run_dir_of, sent
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
@@ -22,10 +22,6 @@ from medflower.models.qk_delta import LoRAQK, SpectralQK, qk_modules, spectral_d
 from medflower.strategies.incremental import fedstack, heads, lora_merge, spectral
 from medflower.strategies.incremental import pfedmxf as mx
 from medflower.strategies.incremental.protocol import HEAD
-
-
-def sent(grid, message_type: str, rnd: int):
-    return [m for m in grid.sent if m.metadata.message_type == message_type and m.metadata.group_id == str(rnd)]
 
 
 def spectral_updates(coords_per_site, values_per_site, shape, scale=1.0):

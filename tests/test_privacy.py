@@ -8,8 +8,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
 from flwr.app import ConfigRecord, RecordDict
+from helpers import records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ConfigError, ExperimentConfig

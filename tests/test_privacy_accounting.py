@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig
 from medflower.inprocess import run_inprocess

@@ -11,8 +11,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from conftest import TINY, declaring_size, records, run_dir_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from helpers import TINY, declaring_size, records, run_dir_of
 
 from medflower.config import ConfigError, defaults
 from medflower.contract.checkpoint import Checkpointer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 from safetensors.torch import save_file
 from timm.models import build_model_with_cfg, register_model
 from timm.models import vision_transformer_sam as vts

@@ -4,7 +4,7 @@ from its neighbours' shares, and bad settings are refused with the key and what 
 
 import numpy as np
 import pytest
-from conftest import declaring_size, records, run_dir_of
+from helpers import declaring_size, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ConfigError, ExperimentConfig

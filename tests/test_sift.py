@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer, from_record

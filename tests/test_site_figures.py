@@ -7,8 +7,8 @@ import json
 import logging
 
 import pytest
-from conftest import TINY, run_dir_of
 from flwr.app import Context, RecordDict
+from helpers import TINY, run_dir_of
 from PIL import Image
 
 from medflower.config import ExperimentConfig, defaults

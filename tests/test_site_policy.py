@@ -2,7 +2,7 @@
 site's own ledger of what it released."""
 
 import pytest
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess

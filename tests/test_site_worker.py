@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY
 from flwr.app import Context, RecordDict
+from helpers import TINY
 
 from medflower import client_app, site_worker
 from medflower.inprocess import run_inprocess

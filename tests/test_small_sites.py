@@ -8,8 +8,8 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, records, run_dir_of
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
+from helpers import TINY, records, run_dir_of
 
 from medflower.contract.client import ClientHalf
 from medflower.contract.replies import RejectedReply, check_reply

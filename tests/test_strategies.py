@@ -5,7 +5,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import records, run_dir_of
+from helpers import records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.contract import validate_arrays, weighted_mean

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import TINY, records, run_dir_of
+from helpers import TINY, records, run_dir_of
 
 from medflower.experiments import main, run_config
 from medflower.inprocess import run_inprocess

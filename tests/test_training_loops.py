@@ -9,7 +9,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from conftest import LinearModel, half_mse, half_mse_gradient, half_mse_loss
+from helpers import LinearModel, half_mse, half_mse_gradient, half_mse_loss
 from torch import nn
 
 import medflower.strategies.continual.elcfs as el

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import TINY
 from flwr.app import Context, RecordDict
+from helpers import TINY
 from safetensors.numpy import load_file
 
 SMALL = {**TINY, "backbone": "test_vit", "synthetic-size": 96, "num-rounds": 2, "batch-size": 8, "lr": 0.03}
