@@ -17,7 +17,7 @@ One invocation runs the same experiment (strategy ``fedavg``, the same run confi
    both build the server's initial model.
 
 By default (``--order sandwich``) the plain loop runs once before and once after the Flower run, and
-a round's plain time is the mean of the two: this machine's speed drifts by 10 % and more between
+a round's plain time is the mean of the two: the measuring computer's speed drifts by 10 % and more between
 minutes, and a single plain run before Flower mixes that drift into the comparison. The spread of the
 two plain runs is reported as the resolution of the comparison. Round 1 and the start-up cost use the
 first plain run only (the second reuses this process's data caches).
@@ -854,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         spread = result["figures"]["steady_state_plain_spread_pct"]
         if spread is not None and spread > TARGET_OVERHEAD_PCT / 2:
             result["warnings"].append(
-                f"the two plain runs differ by {spread:.1f}% per steady-state round on average: this machine's speed "
+                f"the two plain runs differ by {spread:.1f}% per steady-state round on average: the computer's speed "
                 f"drifts by more than half the {TARGET_OVERHEAD_PCT:.0f}% target, so the end-to-end overhead is not "
                 f"resolved to that precision (see the time outside ClientApps with --trace-clientapp)"
             )

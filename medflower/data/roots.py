@@ -28,8 +28,9 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
+import medflower.data.segfolder as segfolder
+
 from ..engine import SIMULATION_CALLERS, in_simulation  # noqa: F401 (re-exported)
-from . import segfolder
 from .readers import max_image_bytes, read_policy, set_read_policy
 from .sources import medmnist_path, open_source_by_key, source_key
 from .spec import ARGLESS_KINDS, DataError, DataSpec, list_rows

@@ -19,7 +19,11 @@ import numpy as np
 import pandas as pd
 from torch.utils.data import Dataset
 
-from . import segfolder, synthetic, synthetic_seg, volumes
+import medflower.data.segfolder as segfolder
+import medflower.data.synthetic as synthetic
+import medflower.data.synthetic_seg as synthetic_seg
+import medflower.data.volumes as volumes
+
 from .base import MAX_LABEL, NA_LABELS, SPLITS, Source, default_class_names
 from .image_datasets import (
     ArrayImageDataset,

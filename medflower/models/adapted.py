@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import arrays
+import medflower.models.arrays as arrays
+
 from .adapters import inject_adapter
 from .backbones import NON_TIMM_FAMILIES, backbone_family, create_backbone, resolve_backbone
 from .errors import ModelError

@@ -13,7 +13,8 @@ import timm
 import torch
 from torch import nn
 
-from . import checkpoints
+import medflower.models.checkpoints as checkpoints
+
 from .errors import ModelError, PretrainedWeightsWarning
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def create_backbone(
     """
     family = backbone_family(timm_name)
     if family == "tinyvit":
-        from . import litemedsam
+        import medflower.models.litemedsam as litemedsam
 
         if weights != "auto" and weights != "none":
             _check_weights_path(weights)
@@ -317,7 +318,7 @@ def _warn_random(timm_name: str, seed: int, reason: str) -> None:
         f"weights='/path/to/{timm_name}.safetensors' (a timm state dict, e.g. saved with "
         f"safetensors.torch.save_file(timm.create_model({timm_name!r}, pretrained=True).state_dict(), ...) "
         f"on a machine with internet, or a SAM/MedSAM, MAE/RETFound, DINO or torchvision checkpoint as "
-        f"distributed), or copy a populated HF hub cache to this machine (HF_HUB_CACHE, or pass its folder as "
+        f"distributed), or copy a populated HF hub cache here (HF_HUB_CACHE, or pass its folder as "
         f"weights)."
     )
     warnings.warn(msg, PretrainedWeightsWarning, stacklevel=4)

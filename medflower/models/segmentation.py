@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import litemedsam
+import medflower.models.litemedsam as litemedsam
+
 from .adapted import AdaptedModel, build_backbone_with_adapter, check_num_classes
 from .backbones import backbone_family, resolve_backbone
 from .errors import ModelError

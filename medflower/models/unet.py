@@ -32,7 +32,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from . import arrays
+import medflower.models.arrays as arrays
+
 from .adapted import AdaptedModel, check_num_classes
 from .errors import ModelError
 from .spec import OUTPUT_STRIDE, UNET_BACKBONES, UNET_ENCODERS, ModelSpec, check_unet_spec, is_unet
