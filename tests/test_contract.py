@@ -63,6 +63,9 @@ class Case:
     arrays_up: bool = True  # False: training replies carry metrics only (then say why)
     no_arrays_down: Callable[[int], bool] = lambda rnd: False  # rounds in which no message carries arrays down
     why: str = ""
+    # Not a federation (the pooled reference: one site trains on every partition's data), so the faults of the other
+    # partitions' training replies cannot happen; its own test file says why and checks what it promises instead.
+    not_a_federation: str = ""
 
     @property
     def stop(self) -> int:
@@ -223,6 +226,7 @@ def strategy_params() -> list:
         if (name, "runs") in XFAIL
         else name
         for name in sorted(STRATEGIES)
+        if not case_of(name).not_a_federation
     ]
 
 
@@ -448,3 +452,5 @@ def test_the_cases_are_valid_and_an_exemption_says_why():
         case = case_of(name)
         assert 1 <= case.stop < case.rounds, f"{name}: stop_after must fall inside the run"
         assert case.arrays_up or case.why, f"{name}: an exemption from sending arrays needs its reason"
+        if case.not_a_federation:  # the pooled reference alone, with a test file of its own
+            assert name == "pooled" and Path(__file__).with_name("test_pooled.py").is_file(), name
