@@ -374,6 +374,14 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "model",
     ),
     Option("local-epochs", 1, "local epochs per round", in_range(1, 10_000), "train"),
+    Option(
+        "local-steps",
+        0,
+        "optimizer steps per round instead of local-epochs' full passes (0: local-epochs); batches are drawn from the "
+        "shuffled training split, a new pass when it runs out (FLamby's benchmarks train 100 steps a round)",
+        in_range(0, 10_000_000),
+        "train",
+    ),
     Option("batch-size", 32, "local batch size", in_range(1, 65_536), "train"),
     Option("lr", 3e-3, "learning rate", positive, "train"),
     Option(
@@ -575,6 +583,13 @@ class ExperimentConfig(RunSettings):
             self.num_rounds,
         )
         check_secagg_config(self, self.strategy, method.secagg, strategies_with("secagg"))
+        if self.local_steps and not method.local_steps:
+            raise bad(
+                "local-steps",
+                self.local_steps,
+                f"strategy {self.strategy!r} trains by its own loop, in local-epochs (or task-epochs); local-steps "
+                f"works with {', '.join(strategies_with('local_steps'))}",
+            )
         if self.evaluate_in_train and not method.folds_evaluation:
             raise bad(
                 "evaluate-in-train",

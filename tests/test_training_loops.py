@@ -1,7 +1,8 @@
 """The shared local loop's step hook (``train_epochs(step=...)``): a hook that is the task step trains bit for bit as
 the built-in one; a step that sets its own gradient gets one optimizer step and row-weighted means; a skipped batch
 is no step; a non-finite loss stops before the optimizer steps; the hook's forward is the loop's precision; DP-SGD is
-refused with a custom step; and Per-FedAvg's, FedSpeed's and ELCFS's steps run in this loop."""
+refused with a custom step; local-steps bound a round's steps; and Per-FedAvg's, FedSpeed's and ELCFS's steps run in
+this loop."""
 
 import copy
 from collections import OrderedDict
@@ -211,3 +212,55 @@ def test_per_fedavg_fedspeed_and_elcfs_step_in_the_shared_loop(monkeypatch):
             run(poisoned)
         for p, v in zip(params.values(), before):
             assert torch.equal(p.detach(), v)  # stopped before the optimizer stepped
+
+
+def test_local_steps_take_exactly_that_many_steps_across_passes_and_after_epoch_sees_whole_passes_only():
+    """max_steps (run-config local-steps) = 7 over 3 batches a pass: passes 1 and 2 whole, 1 step of pass 3; the
+    parameters equal 2 epochs plus one more step on the first batch, done by hand."""
+    model, batches = net_and_batches()
+    twin = copy.deepcopy(model)
+    opt = OptimizerSpec("sgd", 1e-2)
+    passes = []
+    out = train_epochs(model, batches, epochs=1, optimizer=opt, device=CPU, max_steps=7, after_epoch=passes.append)
+    assert out["train_steps"] == 7.0 and passes == [1, 2]
+    train_epochs(twin, batches + batches + batches[:1], epochs=1, optimizer=opt, device=CPU)  # the same 7 batches
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)
+    exact = train_epochs(copy.deepcopy(twin), batches, epochs=5, optimizer=opt, device=CPU, max_steps=3)
+    assert exact["train_steps"] == 3.0  # a pass that ends on the last step: no further pass
+    assert train_epochs(model, [], epochs=1, optimizer=opt, device=CPU, max_steps=4)["train_steps"] == 0.0
+
+
+def test_local_steps_set_the_planned_dp_sgd_epsilon_and_strategies_with_their_own_loop_refuse_them():
+    from helpers import TINY
+
+    from medflower.config import ConfigError, ExperimentConfig, defaults
+    from medflower.privacy.dp_sgd import dp_sgd_epsilon, planned_dp_sgd_epsilon
+
+    def cfg(**extra):
+        return ExperimentConfig.from_run_config({**defaults(), **TINY, **extra})
+
+    private = cfg(**{"dp-sgd": True, "local-steps": 3, "batch-size": 10})
+    # 100 images at batch 10: sample rate 1/10; 4 rounds of 3 steps, not 4 epochs of 10 batches
+    assert planned_dp_sgd_epsilon(private, 100, 4) == pytest.approx(
+        dp_sgd_epsilon(private.dp_sgd_noise_multiplier, 0.1, 12, private.dp_delta)
+    )
+    assert planned_dp_sgd_epsilon(cfg(**{"dp-sgd": True, "batch-size": 10}), 100, 4) > planned_dp_sgd_epsilon(
+        private, 100, 4
+    )
+    assert cfg(strategy="fedala", **{"local-steps": 5}).local_steps == 5
+    for strategy in ("fedspeed", "fedkei", "pfedmxf"):
+        with pytest.raises(ConfigError, match="local-steps.*trains by its own loop"):
+            cfg(strategy=strategy, **{"local-steps": 5})
+
+
+def test_a_run_with_local_steps_trains_that_many_steps_a_round(tmp_path):
+    from helpers import TINY, records, run_dir_of
+
+    from medflower.inprocess import run_inprocess
+
+    config = {**TINY, "output-dir": str(tmp_path), "run-name": "steps", "num-rounds": 2, "local-steps": 3}
+    config["batch-size"] = 8  # about 13 batches a pass on each site: 3 steps are fewer than one pass
+    run_inprocess(config, 2)
+    trained = records(run_dir_of(config), "train")
+    assert len(trained) == 4 and {r["train_steps"] for r in trained} == {3.0}

@@ -161,6 +161,9 @@ class FederatedStrategy:
     # Its sites compute on the images themselves, beyond the model's forward (ELCFS's amplitude spectra), so the
     # frozen-encoder mode, whose loaders hold encoder outputs, cannot serve it (docs/models.md#frozen-encoder-mode).
     reads_pixels: ClassVar[bool] = False
+    # Its sites train only through ClientRuntime.train_local, so run-config local-steps bounds their local training;
+    # a method with its own loop (local-epochs or task-epochs) says False, and a run that sets local-steps is refused.
+    local_steps: ClassVar[bool] = True
     # Message actions beyond train/evaluate/query that the client half answers, e.g. ("train", "fedkei_inner").
     extra_actions: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Client-level DP modes its exchange allows (docs/privacy.md#which-strategies-can-use-it): 'site' needs every

@@ -175,9 +175,10 @@ def batches_per_epoch(num_train: int, batch_size: int) -> int:
 
 
 def planned_dp_sgd_epsilon(cfg, num_train: int, rounds: int, batch_size: int | None = None) -> float:
-    """The ε a site with ``num_train`` training images spends in ``rounds`` rounds of ``local-epochs`` epochs (every
-    round trained once, steps and sample rate from its training loader's length)."""
+    """The ε a site with ``num_train`` training images spends in ``rounds`` rounds of ``local-epochs`` epochs, or of
+    ``local-steps`` steps (every round trained once, the sample rate from its training loader's length)."""
     batches = batches_per_epoch(num_train, batch_size or cfg.batch_size)
     if batches == 0 or rounds <= 0:
         return 0.0
-    return dp_sgd_epsilon(cfg.dp_sgd_noise_multiplier, 1.0 / batches, rounds * cfg.local_epochs * batches, cfg.dp_delta)
+    per_round = cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * batches
+    return dp_sgd_epsilon(cfg.dp_sgd_noise_multiplier, 1.0 / batches, rounds * per_round, cfg.dp_delta)

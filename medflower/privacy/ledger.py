@@ -106,6 +106,11 @@ def check_client_dp_model(cfg, model) -> None:
         )
 
 
+def training_length(cfg) -> str:
+    """How long a site trains a round, as the run config says it (for the refusals' messages)."""
+    return f"local-steps {cfg.local_steps}" if cfg.local_steps > 0 else f"local-epochs {cfg.local_epochs}"
+
+
 def _finite_number(value: Any) -> bool:
     """A reported metric that is a finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -203,7 +208,7 @@ class PrivacyLedger:
         if reported < floor * (1 - 1e-6):
             return (
                 f"dp_sgd_epsilon = {reported:g} is below {floor:.4g}, the ε of one round of DP-SGD at its declared "
-                f"training size {num_train} (batch-size {self.cfg.batch_size}, local-epochs {self.cfg.local_epochs}, "
+                f"training size {num_train} (batch-size {self.cfg.batch_size}, {training_length(self.cfg)}, "
                 f"dp-sgd-noise-multiplier {self.cfg.dp_sgd_noise_multiplier:g})"
             )
         return None
@@ -225,8 +230,9 @@ class PrivacyLedger:
                 raise ConfigError(
                     f"run-config 'dp-target-epsilon' = {cfg.dp_target_epsilon!r} is invalid: with DP-SGD, site "
                     f"{site!r} ({n} training images, batch-size {cfg.batch_size}, {rounds} rounds of "
-                    f"{cfg.local_epochs} epochs) spends ε = {epsilon:.3g} at dp-delta = {cfg.dp_delta:g}; raise "
-                    f"dp-sgd-noise-multiplier (now {cfg.dp_sgd_noise_multiplier:g}) or lower num-rounds or local-epochs"
+                    f"{training_length(cfg)}) spends ε = {epsilon:.3g} at dp-delta = {cfg.dp_delta:g}; raise "
+                    f"dp-sgd-noise-multiplier (now {cfg.dp_sgd_noise_multiplier:g}) or lower num-rounds or "
+                    f"{'local-steps' if cfg.local_steps > 0 else 'local-epochs'}"
                 )
 
     def after_round(self, train_metrics: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

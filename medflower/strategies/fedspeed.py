@@ -230,6 +230,8 @@ class FedSpeed(FederatedStrategy):
     statistics), n_k; ĝ_i stays on it.
     """
 
+    local_steps = False  # its sites train by their own loop (local-epochs / task-epochs)
+
     name = "fedspeed"
     global_model = True
     client_half = FedSpeedClient

@@ -154,6 +154,7 @@ def train_epochs(
     precision: str = "auto",
     step: Step | None = None,
     losses: tuple[str, ...] = ("train_loss",),
+    max_steps: int = 0,
 ) -> dict[str, float]:
     """Train the parameters that require grad on the model's task loss (cross-entropy, or BCE + Dice for
     segmentation) plus ``extra_loss``, or by ``step``; returns the mean losses and the number of steps.
@@ -174,6 +175,9 @@ def train_epochs(
     task step only: per-sample clipping bounds one image's effect on a step only when the step is the gradient of a
     sum of per-sample losses at the current parameters (plus a parameter-only term), which a hook does not promise.
     ``precision`` (run-config precision): ``autocast``'s mode for the forward pass and the losses.
+    ``max_steps`` (run-config local-steps) > 0: exactly that many steps instead of ``epochs`` passes, drawing batches
+    from the loader and starting a new pass (a new shuffle) when it runs out; ``after_epoch`` runs after each whole
+    pass. A loader that yields no batch stops it.
     """
     if private is not None and step is not None:
         raise ValueError("DP-SGD trains by the task step only; a custom step's gradient is not a per-sample sum")
@@ -189,10 +193,15 @@ def train_epochs(
         return autocast(device, precision)
 
     sums, rows, steps = dict.fromkeys(losses, 0.0), dict.fromkeys(losses, 0), 0
+    passes = epochs if max_steps <= 0 else max_steps  # with max_steps, at least one step per pass or it stops
     try:
-        for epoch in range(1, epochs + 1):
+        for epoch in range(1, passes + 1):
             model.train()  # after_epoch may have evaluated in eval mode
+            at_start, partial = steps, False
             for x, y in loader:
+                if 0 < max_steps <= steps:
+                    partial = True  # stopped inside a pass: no after_epoch for it
+                    break
                 if private is not None and len(y) == 0:  # an empty Poisson batch: a noise-only step, as Opacus's
                     extra = None
                     if extra_loss is not None:  # a parameter-only term (the only kind DP-SGD allows)
@@ -227,8 +236,12 @@ def train_epochs(
                     sums[name] += values[name] * n
                     rows[name] += n
                 steps += 1
+            if partial:
+                break
             if after_epoch is not None:
                 after_epoch(epoch)
+            if 0 < max_steps <= steps or (max_steps > 0 and steps == at_start):
+                break
         opt.zero_grad(set_to_none=True)
     finally:
         if private is not None:

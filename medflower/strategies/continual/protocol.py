@@ -225,6 +225,8 @@ class ContinualStrategy(FederatedStrategy):
     knowledge pool. Every task starts fresh unless a method says otherwise (``start_module``, ``task_contents``).
     Not a strategy itself: FedKEI and the baselines subclass it."""
 
+    local_steps = False  # its sites train by their own loop (local-epochs / task-epochs)
+
     client_half = ContinualClient
     options = CONTINUAL_OPTIONS
     tasks = ("classification",)  # a stream of binary tasks: the new class vs the classes seen before

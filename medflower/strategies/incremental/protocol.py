@@ -214,6 +214,8 @@ class IncrementalStrategy(FederatedStrategy):
     """T tasks x rounds-per-task rounds; heads averaged by n_k; every site evaluated after every round. Not a strategy
     itself: pFedMxF and the baselines subclass it."""
 
+    local_steps = False  # its sites train by their own loop (local-epochs / task-epochs)
+
     options = INCREMENTAL_OPTIONS
     tasks = ("classification",)  # class-incremental tasks
     report = IncrementalReport  # summary.md: accuracy over the seen classes after every task, Last and Avg
