@@ -40,7 +40,7 @@ from . import run_folder
 from .config import ConfigError, ExperimentConfig, all_options
 from .contract.checkpoint import Checkpointer, CheckpointError, PersonalState
 from .contract.client import ClientRuntime, _cached_model
-from .contract.server import NodeInfo
+from .contract.nodes import NodeInfo
 from .data import DataError, describe_source, source_task
 from .models import ModelError
 from .records import from_record

@@ -15,7 +15,8 @@ import pytest
 from helpers import TINY, records
 
 from medflower.config import ExperimentConfig, defaults
-from medflower.contract.server import FederatedStrategy, scalar_metrics
+from medflower.contract.evaluation import scalar_metrics
+from medflower.contract.server import FederatedStrategy
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES

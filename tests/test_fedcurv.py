@@ -15,7 +15,7 @@ from helpers import INCREMENTAL, records, run_dir_of
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import from_record
 from medflower.contract.checkpoint import Checkpointer
-from medflower.contract.server import Reply
+from medflower.contract.messaging import Reply
 from medflower.inprocess import run_inprocess
 from medflower.models import build_model
 from medflower.strategies.continual import fedcurv as fc

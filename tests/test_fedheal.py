@@ -10,7 +10,7 @@ from helpers import TINY, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import spec_of
-from medflower.contract.server import RoundStats
+from medflower.contract.messaging import RoundStats
 from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies.fedheal import FedHEAL, consistency_mask

@@ -12,7 +12,7 @@ from helpers import MIXED_TASKS, TINY, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer, spec_of
-from medflower.contract.server import RoundStats
+from medflower.contract.messaging import RoundStats
 from medflower.inprocess import run_inprocess
 from medflower.strategies.submodel import matfl
 from medflower.strategies.submodel.capacity_baselines import HeteroFL

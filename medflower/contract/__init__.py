@@ -3,7 +3,13 @@
 
 - ``registry.py``: ``@register_strategy`` and the name -> class table (filled when ``medflower.strategies``, the
   methods, is imported);
-- ``server.py``: ``FederatedStrategy``, the server loop (nodes, messages, rounds, checkpoints, byte counts);
+- ``server.py``: ``FederatedStrategy``, a method's facts, its hooks and the round loop, built from one mixin per
+  concern of the server loop:
+  - ``nodes.py``: who is in the federation (``NodeInfo``), in which order, each round's sample;
+  - ``messaging.py``: sending, waiting, checking and rejecting replies, byte counts (``Reply``, ``RoundStats``);
+  - ``persistence.py``: the checkpoint after each round, resume, a failed round's rollback;
+  - ``secure.py``: SecAgg+ rounds (run-config secagg);
+  - ``evaluation.py``: evaluation records, pooled metrics, evaluate-in-train, cross-site evaluation;
 - ``client.py``: ``ClientRuntime`` and ``ClientHalf``, one message on one site;
 - ``replies.py``: the one checking step every reply goes through (records, identity, metrics, arrays, bytes);
 - ``checkpoint.py``: the server's checkpoint store and each site's personal state;
@@ -28,9 +34,11 @@ from ..records import (
 )
 from .checkpoint import Checkpointer, PersonalState, resolve_checkpoint_dir
 from .client import ClientHalf, ClientRuntime
+from .messaging import Reply, RoundStats
+from .nodes import NodeInfo
 from .registry import STRATEGIES, register_strategy
 from .replies import RejectedReply, count_check
-from .server import FederatedStrategy, NodeInfo, Reply, RoundStats
+from .server import FederatedStrategy
 
 __all__ = [
     "STRATEGIES",
