@@ -3,13 +3,18 @@ which of it marks a folder as already holding a run, and what ``overwrite=true``
 
 Every module that reads or writes a run folder takes the names from here: the server's recorder and checkpoint
 store, the privacy ledger's release marks, the tracker's state, the progress bar, ``predict``/``export`` and the
-experiment runner.
+experiment runner. The ServerApp readies a new run's folder with ``prepare_new``.
 """
 
 from __future__ import annotations
 
 import shutil
+from logging import WARNING
 from pathlib import Path
+
+from flwr.common.logger import log
+
+from .options import ConfigError
 
 CONFIG = "config.json"  # the run config and what its 'auto' settings became
 METRICS = "metrics.jsonl"  # one record per site and round, then the server's
@@ -54,3 +59,20 @@ def delete_outputs(run_dir: Path) -> None:
     for name in OUTPUTS:
         path = Path(run_dir) / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def prepare_new(run_dir: Path, overwrite: bool) -> None:
+    """Ready ``run_dir`` for a new run (no resume-from): an absent folder, or one that holds no run, is used as it
+    is; one that already holds a run is refused, unless ``overwrite`` (run-config overwrite=true), which deletes
+    that run's outputs (docs/deployment.md, "Faults")."""
+    held = held_outputs(run_dir)
+    if not held:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"run folder {run_dir.resolve()} already holds a run ({', '.join(held)}): set run-config "
+            f"'resume-from' to it to continue that run, or 'overwrite=true' to delete it and start over "
+            f"(or choose another 'run-name' / 'output-dir')"
+        )
+    log(WARNING, "[medflower] %s holds a run: overwrite=true, deleting it and starting over", run_dir.resolve())
+    delete_outputs(run_dir)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
-from logging import ERROR, INFO, WARNING
+from logging import ERROR, INFO
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import Context
 from flwr.common.logger import log
@@ -15,9 +18,10 @@ from flwr.serverapp import Grid, ServerApp
 from . import run_folder
 from .config import ConfigError, ExperimentConfig
 from .contract.checkpoint import Checkpointer, resolve_checkpoint_dir, run_folder_of
+from .contract.server import FederatedStrategy
 from .data import describe_source
 from .data.partition import check_partition_supported
-from .models import build_model
+from .models import AdaptedModel, ModelSpec, build_model
 from .privacy import check_dp_sgd_model
 from .privacy.ledger import check_client_dp_model
 from .results import RunRecorder, safe_name
@@ -26,30 +30,109 @@ from .tracking import open_tracking
 app = ServerApp()
 
 
-def run_folder_path(cfg: ExperimentConfig) -> Path:
-    """The run's folder: resume-from's run folder, else <output-dir>/<run-name>."""
+def run_experiment(grid: Grid, run_config: dict) -> dict:
+    """Validate, build, run and write outputs; returns summary.json's content."""
+    started = time.monotonic()
+    cfg = ExperimentConfig.from_run_config(run_config)
+    num_classes = num_classes_of(cfg)
+    recorder = RunRecorder(open_run_folder(cfg))
+    server_model = ServerModel.build(cfg, num_classes)
+    strategy = build_or_resume_strategy(cfg, recorder, server_model, num_classes)
+    start_recording(cfg, recorder, strategy, server_model, num_classes)
+    return run_and_finish(grid, cfg, recorder, strategy, started)
+
+
+def num_classes_of(cfg: ExperimentConfig) -> int:
+    """The run's number of classes: run-config num-classes, else its data source's. What every site would refuse at
+    its first message (a partition its dataset cannot take) is refused once here first."""
+    num_classes = cfg.declared_num_classes or describe_source(cfg.data_spec())[0]
+    for dataset in cfg.split_datasets:
+        check_partition_supported(cfg.data_spec(dataset=dataset))
+    return num_classes
+
+
+def open_run_folder(cfg: ExperimentConfig) -> Path:
+    """The run's folder: resume-from's run folder, else <output-dir>/<run-name>, readied for a new run
+    (``run_folder.prepare_new``: a folder that already holds a run is refused unless overwrite=true)."""
     if cfg.resume_from:
         return run_folder_of(resolve_checkpoint_dir(cfg.resume_from))
     name = cfg.run_name or f"{cfg.strategy}-{safe_name(cfg.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"
-    return Path(cfg.output_dir).expanduser() / safe_name(name)
+    run_dir = Path(cfg.output_dir).expanduser() / safe_name(name)
+    run_folder.prepare_new(run_dir, cfg.overwrite)
+    return run_dir
 
 
-def prepare_run_folder(cfg: ExperimentConfig, run_dir: Path) -> None:
-    """A new run (no resume-from) starts in an absent or empty folder; a folder that already holds a run is
-    refused, unless overwrite=true, which deletes that run's outputs (docs/deployment.md, "Faults")."""
+@dataclass(frozen=True)
+class ServerModel:
+    """The server's build of the run's model: its spec, the model and its initial trainable arrays."""
+
+    spec: ModelSpec
+    model: AdaptedModel
+    initial: OrderedDict[str, np.ndarray]
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig, num_classes: int) -> ServerModel:
+        """The model as the strategy sizes it, refused before round 1 where the run's privacy cannot apply to it."""
+        spec = cfg.model_spec(cfg.server_class_names(num_classes))
+        model = build_model(spec, cfg.strategy_class.model_classes(num_classes))
+        check_dp_sgd_model(cfg, model)  # before round 1: every trainable layer needs Opacus's per-sample gradients
+        check_client_dp_model(cfg, model)  # before round 1: no noise on BatchNorm running statistics
+        return cls(spec, model, model.get_trainable())
+
+    @property
+    def size(self) -> int:
+        """Its trainable parameters."""
+        return sum(v.size for v in self.initial.values())
+
+
+def build_or_resume_strategy(
+    cfg: ExperimentConfig, recorder: RunRecorder, server_model: ServerModel, num_classes: int
+) -> FederatedStrategy:
+    """The run's strategy on the model's initial arrays, restored from resume-from's checkpoint (the rounds after
+    it are dropped, to be redone); a model with nothing to train is refused."""
+    strategy = cfg.strategy_class(cfg, recorder, server_model.initial, num_classes)
     if cfg.resume_from:
-        return
-    held = run_folder.held_outputs(run_dir)
-    if not held:
-        return
-    if not cfg.overwrite:
+        strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
+        # later rounds (a chosen earlier round, or newer ones refused as corrupt) are redone: drop them
+        Checkpointer(recorder.run_dir / run_folder.CHECKPOINT).discard_after(strategy.completed_rounds)
+        done = strategy.completed_rounds
+        # evaluate-in-train: the checkpoint's round was evaluated in the next round's replies, which are redone
+        recorder.truncate_after(done, done - 1 if cfg.evaluate_in_train and done < strategy.total_rounds() else done)
+    if server_model.size == 0:
         raise ConfigError(
-            f"run folder {run_dir.resolve()} already holds a run ({', '.join(held)}): set run-config "
-            f"'resume-from' to it to continue that run, or 'overwrite=true' to delete it and start over "
-            f"(or choose another 'run-name' / 'output-dir')"
+            f"nothing trains: strategy {cfg.strategy!r} with backbone {cfg.backbone!r} and adapter "
+            f"{server_model.spec.adapter!r} has no trainable parameter (a frozen head and no adapter); choose an "
+            f"adapter (lora, bottleneck, ...) or a trainable head"
         )
-    log(WARNING, "[medflower] %s holds a run: overwrite=true, deleting it and starting over", run_dir.resolve())
-    run_folder.delete_outputs(run_dir)
+    return strategy
+
+
+def start_recording(
+    cfg: ExperimentConfig,
+    recorder: RunRecorder,
+    strategy: FederatedStrategy,
+    server_model: ServerModel,
+    num_classes: int,
+) -> None:
+    """Before round 1: the recorder's training plan and experiment tracking, config.json (with what the 'auto'
+    settings became) and the run's line in the log."""
+    recorder.training_plan = (cfg.batch_size, cfg.local_epochs)  # a small site's training records say so once
+    recorder.tracking = open_tracking(cfg, recorder.run_dir, strategy.completed_rounds)
+    recorder.write_config(
+        {**cfg.to_dict(), "resolved": {**resolved_model(cfg, server_model.model), "rounds": strategy.total_rounds()}}
+    )
+    log(
+        INFO,
+        "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
+        cfg.strategy,
+        cfg.dataset,
+        cfg.backbone,
+        server_model.spec.adapter,
+        server_model.size,
+        len(server_model.initial),
+        num_classes,
+        recorder.run_dir.resolve(),
+    )
 
 
 def resolved_model(cfg: ExperimentConfig, model) -> dict:
@@ -74,54 +157,12 @@ def resolved_model(cfg: ExperimentConfig, model) -> dict:
     return resolved
 
 
-def run_experiment(grid: Grid, run_config: dict) -> dict:
-    """Validate, build, run and write outputs; returns summary.json's content."""
-    started = time.monotonic()
-    cfg = ExperimentConfig.from_run_config(run_config)
-    num_classes = cfg.declared_num_classes or describe_source(cfg.data_spec())[0]
-    for dataset in cfg.split_datasets:  # what every site would refuse at its first message, refused once here
-        check_partition_supported(cfg.data_spec(dataset=dataset))
-    run_dir = run_folder_path(cfg)
-    prepare_run_folder(cfg, run_dir)
-    recorder = RunRecorder(run_dir)
-    method = cfg.strategy_class
-    model_spec = cfg.model_spec(cfg.server_class_names(num_classes))
-    model = build_model(model_spec, method.model_classes(num_classes))
-    check_dp_sgd_model(cfg, model)  # before round 1: every trainable layer needs Opacus's per-sample gradients
-    check_client_dp_model(cfg, model)  # before round 1: no noise on BatchNorm running statistics
-    initial = model.get_trainable()
-    strategy = method(cfg, recorder, initial, num_classes)
-    if cfg.resume_from:
-        strategy.restore(resolve_checkpoint_dir(cfg.resume_from))
-        # later rounds (a chosen earlier round, or newer ones refused as corrupt) are redone: drop them
-        Checkpointer(run_dir / run_folder.CHECKPOINT).discard_after(strategy.completed_rounds)
-        done = strategy.completed_rounds
-        # evaluate-in-train: the checkpoint's round was evaluated in the next round's replies, which are redone
-        recorder.truncate_after(done, done - 1 if cfg.evaluate_in_train and done < strategy.total_rounds() else done)
-    size = sum(v.size for v in initial.values())
-    if size == 0:
-        raise ConfigError(
-            f"nothing trains: strategy {cfg.strategy!r} with backbone {cfg.backbone!r} and adapter "
-            f"{model_spec.adapter!r} has no trainable parameter (a frozen head and no adapter); choose an adapter "
-            f"(lora, bottleneck, ...) or a trainable head"
-        )
-    recorder.training_plan = (cfg.batch_size, cfg.local_epochs)  # a small site's training records say so once
-    recorder.tracking = tracking = open_tracking(cfg, run_dir, strategy.completed_rounds)
-    recorder.write_config(
-        {**cfg.to_dict(), "resolved": {**resolved_model(cfg, model), "rounds": strategy.total_rounds()}}
-    )
-    log(
-        INFO,
-        "[medflower] %s on %s: %s + %s, %d trainable parameters in %d arrays, %d classes; outputs in %s",
-        cfg.strategy,
-        cfg.dataset,
-        cfg.backbone,
-        model_spec.adapter,
-        size,
-        len(initial),
-        num_classes,
-        run_dir.resolve(),
-    )
+def run_and_finish(
+    grid: Grid, cfg: ExperimentConfig, recorder: RunRecorder, strategy: FederatedStrategy, started: float
+) -> dict:
+    """The rounds, then run-config cross-site-evaluation and the run's summary (summary.json's content, returned);
+    the experiment tracking is closed either way (as failed if anything raised)."""
+    tracking = recorder.tracking
     elapsed_before = strategy.elapsed_s
     try:
         strategy.run(grid)
@@ -147,7 +188,7 @@ def run_experiment(grid: Grid, run_config: dict) -> dict:
         summary["rounds"],
         strategy.round_label,
         final,
-        run_dir.resolve(),
+        recorder.run_dir.resolve(),
     )
     return summary
 

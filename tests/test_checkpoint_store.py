@@ -28,7 +28,7 @@ from medflower.contract.checkpoint import (
     run_folder_of,
 )
 from medflower.inprocess import run_inprocess
-from medflower.server_app import prepare_run_folder
+from medflower.server_app import open_run_folder
 
 
 def arrays_of(rnd: int) -> OrderedDict[str, np.ndarray]:
@@ -298,10 +298,10 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run_unless_overwrite(tmp_path, 
     def cfg(**extra):
         return ExperimentConfig.from_run_config({**defaults(), **config, **extra})
 
-    prepare_run_folder(cfg(), folder)  # absent
+    assert open_run_folder(cfg()) == folder  # absent
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    prepare_run_folder(cfg(), folder)  # empty of runs
+    assert open_run_folder(cfg()) == folder  # empty of runs
     for mark in ("metrics.jsonl", "checkpoint", "client-state"):
         path = folder / mark
         path.mkdir() if mark != "metrics.jsonl" else path.write_text('{"kind": "server", "round": 1}\n')
