@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import records, run_dir_of
+from helpers import records, run_dir_of, site_runtime
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.checkpoint import Checkpointer
@@ -172,6 +172,41 @@ def test_a_training_reply_with_a_malformed_evaluation_is_rejected(tiny, monkeypa
     assert "metric auc is not a finite number" in server[1]["rejected"][0]
     trained_round_2 = {r["client"] for r in records(run_dir_of(config), "train") if r["round"] == 2}
     assert len(trained_round_2) == 2  # the rejected reply's update is left out like any rejected reply
+
+
+def test_the_evaluation_sees_the_previous_round_and_the_runtime_keeps_its_own(tmp_path, monkeypatch):
+    """The site's evaluation runs on a copy of the runtime for the previous round: the runtime the message built
+    says its own round throughout, and what the evaluation loaded (data, model) the training reuses."""
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from medflower.contract import ClientRuntime, to_record
+    from medflower.strategies.fedavg import FedAvgClient
+
+    arrays = site_runtime(tmp_path, "fedavg").initial_arrays
+    runtime = site_runtime(tmp_path, "fedavg")
+    runtime.config["round"] = 3
+    message = SimpleNamespace(content=RecordDict({"arrays": to_record(arrays), "config": ConfigRecord({"round": 3})}))
+    seen, loads = [], []
+    evaluate, load_data = FedAvgClient.evaluate, ClientRuntime._load_data
+
+    def spy(self, message):
+        seen.append((self.rt.round, runtime.round, self.rt is runtime))
+        return evaluate(self, message)
+
+    def counted(self):
+        loads.append(self.round)
+        return load_data(self)
+
+    monkeypatch.setattr(FedAvgClient, "evaluate", spy)
+    monkeypatch.setattr(ClientRuntime, "_load_data", counted)
+    half = FedAvgClient(runtime)
+    content = half.train_after_evaluating(message)
+    assert seen == [(2, 3, False)]
+    assert half.rt is runtime and runtime.round == 3 and runtime.config["round"] == 3
+    assert loads == [2]  # loaded once, by the evaluation; the training reuses it
+    assert "auc" in content["evaluation"] and content["metrics"]["num-examples"] > 0
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ returns the reply's RecordDict. Whatever must survive between rounds on a site g
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -125,6 +126,22 @@ class ClientRuntime:
     @property
     def round(self) -> int:
         return int(self.config.get("round", 0))
+
+    def at_round(self, rnd: int) -> ClientRuntime:
+        """A copy of this runtime for round ``rnd``: the same site, with a config of its own that says round ``rnd``
+        (seeds, learning rate, per-site state versions and pictures follow it); this runtime is left as it is. What
+        this runtime has loaded so far (data, model, device) the copy shares; ``keep_loaded`` takes back what the
+        copy loads later."""
+        copied = copy.copy(self)
+        copied.config = {**self.config, "round": rnd}
+        return copied
+
+    def keep_loaded(self, other: ClientRuntime) -> None:
+        """Take the site's data, model and device that ``other`` (a copy from ``at_round``) loaded and this runtime
+        has not, so that one message loads them once: they do not depend on the round."""
+        for name in _LOADED_ONCE:
+            if name in vars(other) and name not in vars(self):
+                vars(self)[name] = vars(other)[name]
 
     @functools.cached_property
     def raw_data(self) -> ClientData:
@@ -401,6 +418,8 @@ class ClientRuntime:
         return None
 
 
+# ClientRuntime's cached properties: what one message loads once, the same whatever round the runtime says
+_LOADED_ONCE = ("raw_data", "data", "_build", "device")
 _SAID_SMALL: set[tuple[str, str, int, int]] = set()  # (run, site, ...) this process has told about
 
 
@@ -446,13 +465,19 @@ class ClientHalf:
     def train_after_evaluating(self, message: Message) -> RecordDict:
         """run-config evaluate-in-train, rounds after the first: ``evaluate`` the message as the previous round's
         evaluate message (the same arrays, that round's number), then ``train``; the training reply carries the
-        evaluation metrics in its ``evaluation`` record. Leaves a site: what ``train`` and ``evaluate`` send."""
-        rnd = self.rt.round
-        self.rt.config["round"] = rnd - 1
+        evaluation metrics in its ``evaluation`` record. Leaves a site: what ``train`` and ``evaluate`` send.
+
+        ``evaluate`` sees a copy of the runtime for the previous round (``ClientRuntime.at_round``) as ``self.rt``;
+        the runtime the message built, which the site app reads after the reply too, never changes its round. The
+        half stays the same object, so what ``evaluate`` keeps on it for ``train`` (FedALA's ALA) is kept."""
+        runtime = self.rt
+        previous = runtime.at_round(runtime.round - 1)
+        self.rt = previous
         try:
             evaluation = self.evaluate(message)["metrics"]
         finally:
-            self.rt.config["round"] = rnd
+            self.rt = runtime
+        runtime.keep_loaded(previous)
         content = self.train(message)
         content["evaluation"] = evaluation
         return content
