@@ -9,6 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# The repository's root, wherever under tests/ the module using it lives.
+ROOT = Path(__file__).resolve().parent.parent
+
 # Small and fast: the synthetic source, a ViT-Tiny at 16x16 with 8x8 patches.
 TINY = {
     "dataset": "synthetic",

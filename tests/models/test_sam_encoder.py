@@ -6,13 +6,12 @@ A full SAM ViT-B is built only at 64 px; the rest uses a toy SAM registered with
 width 32), which run configs can name like any timm model."""
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 import timm
 import torch
-from helpers import records, run_dir_of
+from helpers import ROOT, records, run_dir_of
 from safetensors.torch import save_file
 from timm.models import build_model_with_cfg, register_model
 from timm.models import vision_transformer_sam as vts
@@ -30,7 +29,6 @@ from medflower.models import (
 )
 from medflower.models.backbones import _resize_sam_tables, backbone_family, create_backbone
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY_SAM = "samvit_tinytest_patch16"
 TINY_ARGS = dict(
     patch_size=16,

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message
-from helpers import TINY, records, run_dir_of
+from helpers import ROOT, TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.contract import Checkpointer, ClientRuntime
@@ -453,4 +453,4 @@ def test_the_cases_are_valid_and_an_exemption_says_why():
         assert 1 <= case.stop < case.rounds, f"{name}: stop_after must fall inside the run"
         assert case.arrays_up or case.why, f"{name}: an exemption from sending arrays needs its reason"
         if case.not_a_federation:  # the pooled reference alone, with a test file of its own
-            assert name == "pooled" and Path(__file__).with_name("test_pooled.py").is_file(), name
+            assert name == "pooled" and (ROOT / "tests" / "strategies" / "test_pooled.py").is_file(), name

@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import records, run_dir_of, site_runtime
+from helpers import ROOT, records, run_dir_of, site_runtime
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.checkpoint import Checkpointer
@@ -225,9 +225,7 @@ def test_evaluate_in_train_is_refused_where_the_protocol_needs_an_evaluate_phase
 
 
 def test_the_deployment_docs_list_the_strategies_that_fold():
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    text = (ROOT / "docs" / "deployment.md").read_text()
     section = text.split("## Fewer messages per round", 1)[1].split("\n## ", 1)[0]
     paragraph = section.split("It works with the strategies", 1)[1].split("The others refuse it", 1)[0]
     listed = {name.strip("`") for name in paragraph.replace(",", " ").replace(".", " ").split() if name[0] == "`"}

@@ -3,12 +3,12 @@ and CKA (docs/methods/fedbkd.md)."""
 
 import re
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import timm
 import torch
+from helpers import ROOT
 
 from medflower.models import ModelError
 from medflower.models.ffn_slices import (
@@ -153,7 +153,7 @@ def test_the_non_ffn_count_on_the_fedbkd_page_is_the_one_the_code_gives():
     model = timm.create_model("vit_small_patch16_224", num_classes=0)
     total = sum(p.numel() for p in model.parameters())
     ffn = sum(p.numel() for m in ffn_modules(model).values() for p in m.parameters())
-    page = (Path(__file__).resolve().parents[1] / "docs" / "methods" / "fedbkd.md").read_text()
+    page = (ROOT / "docs" / "methods" / "fedbkd.md").read_text()
     stated = re.search(r"([0-9.]+) M of ViT-S's ([0-9.]+) M", page)
     assert stated, "the FedBKD page no longer states the non-FFN share of ViT-S"
     assert (stated.group(1), stated.group(2)) == (f"{(total - ffn) / 1e6:.2f}", f"{total / 1e6:.2f}")
