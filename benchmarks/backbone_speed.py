@@ -215,7 +215,7 @@ def sam_adapter_counts(ratio: float = 0.25, backbone: str = "sam-b") -> dict:
 
 
 def param_table(ratio: float = 0.25) -> str:
-    """The Markdown table of docs/models.md "SAM encoders" (tests/test_sam_encoder.py checks the page has it)."""
+    """The Markdown table of docs/models.md "SAM encoders" (tests/models/test_sam_encoder.py checks the page has it)."""
     c, r = FEDSCA_CLIENTS, FEDSCA_ROUNDS
     n = sam_adapter_counts(ratio)
     msa_modules = 3 * n["blocks"]  # Medical-SAM-Adapter's blocks also hold a Depth_Adapter (3-D inputs only)

@@ -92,7 +92,7 @@ class FederatedStrategy(NodesMixin, MessagingMixin, PersistenceMixin, SecureAggr
     round_label: ClassVar[str] = "round"  # what one iteration of ``run`` is called in the log ("task" for FedKEI)
     # How summary.md and curves.png present its runs (results.RunReport; task streams name their own subclass).
     report: ClassVar[type[RunReport]] = RunReport
-    # What the registry-wide contract tests (tests/test_contract.py) need beyond the tiny run config, for a
+    # What the registry-wide contract tests (tests/contract/test_contract.py) need beyond the tiny run config, for a
     # strategy whose protocol differs from one round = one train message per site: "config" (run-config keys),
     # "rounds" (iterations of the run), "stop_after" (the round after which the interrupted run dies), "train_kind"
     # (the record kind of a valid training reply), "arrays_up" (False: training replies carry metrics only),

@@ -75,7 +75,7 @@ class Pooled(FederatedStrategy):
     trains_backbone = True
     contract_case = {
         "not_a_federation": "only the first site (by partition id) trains, on every partition's training split; "
-        "tests/test_pooled.py checks it",
+        "tests/strategies/test_pooled.py checks it",
     }
 
     def sample_nodes(self, rnd: int) -> list[int]:

@@ -17,7 +17,8 @@ resumes without any state of that site; partition 2 is silent for the whole of r
 raises on its round-R training message (its message stays on the site: the server gets the error's kind only).
 The checks (one test each, on the same runs): outputs are written, bad replies are rejected and left out, a silent
 or failing node is survived and the silent one trains again, resume equals uninterrupted, bytes are counted, and the
-class docstring says what leaves a site. tests/test_fault_injection.py sends every other kind of malformed reply.
+class docstring says what leaves a site. tests/contract/test_fault_injection.py sends every other kind of malformed
+reply.
 
 A strategy that fails a check for real gets an ``XFAIL`` entry (strict), never a weaker check.
 """

@@ -1,6 +1,6 @@
 """Malformed replies from one node, through the real ServerApp/ClientApp code, for every registered strategy.
 
-Two runs per strategy (its ``contract_case``, read by tests/test_contract.py, 3 in-process nodes):
+Two runs per strategy (its ``contract_case``, read by tests/contract/test_contract.py, 3 in-process nodes):
 - faulty: partition 1 answers its round-1 query with a malformed query reply (so it is refused and asked again
   at round 2, where it joins), then answers every later message of every phase (train, evaluate, custom actions
   such as FedKEI's inner step or a SiFT hop) with a malformed reply: of the ``REPLY_FAULTS`` that apply to the

@@ -1,7 +1,8 @@
 """The one checking step every reply goes through (medflower/contract/replies.py), the capped aggregation shares,
 the site registry, the guard that keeps a non-finite aggregate out of the model, and what a failing site sends.
 
-tests/test_fault_injection.py sends the same faults through the real ServerApp/ClientApp code for every strategy.
+tests/contract/test_fault_injection.py sends the same faults through the real ServerApp/ClientApp code for every
+strategy.
 """
 
 from __future__ import annotations

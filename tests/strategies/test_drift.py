@@ -1,5 +1,5 @@
 """SCAFFOLD and FedDyn: the correction terms' gradients, the papers' client and server updates on real
-replies, BatchNorm statistics, and the config check (resume and per-site state: tests/test_contract.py)."""
+replies, BatchNorm statistics, and the config check (resume and per-site state: tests/contract/test_contract.py)."""
 
 from collections import OrderedDict
 

@@ -278,7 +278,8 @@ def test_bad_adapters_are_left_out_of_w(tiny, monkeypatch):
 
     monkeypatch.setattr(sgca_module.SGCAClient, "train", poisoned)
     config = tiny(strategy="sgca", **{"run-name": "bad", "num-rounds": 2})
-    run_inprocess(config, num_nodes=3)  # that they are rejected, logged and not aggregated: tests/test_contract.py
+    # that they are rejected, logged and not aggregated: tests/contract/test_contract.py
+    run_inprocess(config, num_nodes=3)
     for r in records(run_dir_of(config), "server"):
         assert r["sgca_clients"] == ["site-0", "site-2"] and np.array(r["sgca_W"]).shape == (2, 2)
     _, meta = Checkpointer(run_dir_of(config) / "checkpoint").load()

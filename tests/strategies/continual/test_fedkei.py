@@ -352,7 +352,7 @@ def test_a_client_that_drops_out_of_the_bilevel_phase_is_left_out_of_the_beta_st
 
 
 def test_a_finished_run_extended_by_a_task_reloads_the_pool_from_disk(tiny):
-    """num-tasks raised on resume (a run killed mid-way, on fresh nodes: tests/test_contract.py)."""
+    """num-tasks raised on resume (a run killed mid-way, on fresh nodes: tests/contract/test_contract.py)."""
     common = {**TASKS, "fedkei-grad": "first-order"}
     full = tiny(**{**common, "run-name": "full", "num-tasks": 3})
     run_inprocess(full, num_nodes=2)

@@ -1,7 +1,7 @@
 """InfLoRA in the class-incremental protocol: the designed A (orthonormal rows, orthogonal to the DualGPM memory, so an
 update B A leaves old-task outputs in the memory's span unchanged), the memory's energy criterion by hand, the pooled
 covariance against the pooled data, B averaging against Σ p_k B_k A, and the protocol in process (a tiny run,
-resume, bad config). Faults and resume after a task boundary: tests/test_contract.py's ``inflora`` case."""
+resume, bad config). Faults and resume after a task boundary: tests/contract/test_contract.py's ``inflora`` case."""
 
 import numpy as np
 import pytest

@@ -1,7 +1,7 @@
 """pFedMxF and its LoRA baselines: the spectral layer against peft's FourierFT, the frequency allocator,
 exact union aggregation, orthogonality, FedAvg-LoRA's interference vs FedStack's exact sum, the AAC
 router, the class-incremental data, and the protocol in process (faults, heterogeneous budgets; resume of every
-strategy: tests/test_contract.py)."""
+strategy: tests/contract/test_contract.py)."""
 
 import numpy as np
 import pytest

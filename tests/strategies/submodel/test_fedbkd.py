@@ -1,7 +1,7 @@
 """FedBKD and the width-scaling baselines in the protocol: sub-encoders of each site's capacity, the covered
 merge on real replies (μ_k weights, uncovered entries kept), segmentation and classification sites in one
 federation with their decoders kept at home, rejected index sets, config errors (resume, faults and bytes of every
-strategy: tests/test_contract.py)."""
+strategy: tests/contract/test_contract.py)."""
 
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -155,7 +155,7 @@ def test_bad_capacities_and_task_mixes_are_named(tiny):
 
 
 def test_local_training_with_capacities_continues_the_sites_own_prefix_sub_model(tiny):
-    """What it sends (arrays down in round 1 only, none up): tests/test_contract.py."""
+    """What it sends (arrays down in round 1 only, none up): tests/contract/test_contract.py."""
     config = tiny(**{**MIXED, "strategy": "submodel-local", "run-name": "local"})
     run_inprocess(config, num_nodes=3)
     from safetensors.numpy import load_file

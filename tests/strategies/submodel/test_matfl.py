@@ -1,7 +1,7 @@
 """MaT-FL (Cai et al., CVPRW 2023): the grouping and the within-group means against a hand computation, the sums over
 held entries on sub-encoders against an entry-by-entry reference, one group = FedAvg (HeteroFL's merge with
 capacities), the server state across a checkpoint, a multi-task run in process (what each site receives), a resume
-of it, and bad config (faults, bytes and the generic resume of every strategy: tests/test_contract.py)."""
+of it, and bad config (faults, bytes and the generic resume of every strategy: tests/contract/test_contract.py)."""
 
 from collections import OrderedDict
 from types import SimpleNamespace
