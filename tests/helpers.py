@@ -4,6 +4,7 @@ the fixtures and the collection hooks.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,16 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 def run_dir_of(config: dict) -> Path:
     """The run folder of a run config with a run-name: <output-dir>/<run-name>."""
     return Path(config["output-dir"]) / config["run-name"]
+
+
+def restart_processes() -> None:
+    """What a restarted server or SuperNode keeps in memory: nothing. Empties every functools cache of medflower (a
+    site's built model object, loaded data), so a strategy that carried state in them would not resume equal."""
+    for name, module in list(sys.modules.items()):
+        if name == "medflower" or name.startswith("medflower."):
+            for obj in list(vars(module).values()):
+                if callable(getattr(obj, "cache_clear", None)):
+                    obj.cache_clear()
 
 
 # The sub-model family's mixed federation: 2 segmentation sites and 1 classification site of three capacities.

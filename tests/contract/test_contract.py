@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message
-from helpers import ROOT, TINY, records, run_dir_of
+from helpers import ROOT, TINY, records, restart_processes, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.contract import Checkpointer, ClientRuntime
@@ -194,16 +193,6 @@ def corrupt(reply: Message, kind: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the runs, once per strategy
-def restart_processes() -> None:
-    """What a restarted server or SuperNode keeps in memory: nothing. Empties every functools cache of medflower (a
-    site's built model object, loaded data), so a strategy that carried state in them would not resume equal."""
-    for name, module in list(sys.modules.items()):
-        if name == "medflower" or name.startswith("medflower."):
-            for obj in list(vars(module).values()):
-                if callable(getattr(obj, "cache_clear", None)):
-                    obj.cache_clear()
-
-
 @dataclass
 class Runs:
     name: str

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
-from helpers import TINY, records, run_dir_of
-from test_contract import canonical, case_of, restart_processes, same_arrays
+from helpers import TINY, records, restart_processes, run_dir_of
+from test_contract import canonical, case_of, same_arrays
 
 from medflower.contract import Checkpointer
 from medflower.inprocess import InProcessGrid, run_inprocess

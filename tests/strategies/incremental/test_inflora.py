@@ -6,8 +6,7 @@ resume, bad config). Faults and resume after a task boundary: tests/contract/tes
 import numpy as np
 import pytest
 import torch
-from helpers import INCREMENTAL, records, run_dir_of, sent
-from test_contract import restart_processes
+from helpers import INCREMENTAL, records, restart_processes, run_dir_of, sent
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import from_record
