@@ -22,6 +22,9 @@ from torch.utils.data import ConcatDataset, Dataset
 from ..contract import ClientHalf, FederatedStrategy, from_record, register_strategy
 from ..contract.client import ClientRuntime
 from ..data.errors import DataError
+from ..data.transforms import target_attribute
+
+LOADER_ATTRIBUTES = ("img_size", "encoded", "box_prompts", "augment")  # what make_loader reads from a split
 
 
 def pooled_training_split(rt: ClientRuntime) -> Dataset:
@@ -39,8 +42,15 @@ def pooled_training_split(rt: ClientRuntime) -> Dataset:
             other = ClientRuntime(rt.cfg, rt.context, rt.config, partition, rt.num_partitions)
             parts.append(other.data.train)
     union = ConcatDataset(parts)
-    if augment := getattr(rt.data.train, "augment", ""):
-        union.augment = augment  # the loaders' augmentation setting travels on the training split
+    # The loaders read how to batch a split from attributes it (or a dataset it wraps) carries: its size, whether
+    # its items are encoder outputs (the frozen-encoder mode) or carry box prompts, and its augmentation. A
+    # ConcatDataset wraps a list, which the loaders do not look through, so the union carries the site's own.
+    for name in LOADER_ATTRIBUTES:
+        values = {repr(target_attribute(part, name)) for part in parts}
+        if len(values) > 1:
+            raise DataError(f"strategy 'pooled': the sites' training splits differ in {name} ({sorted(values)})")
+        if (value := target_attribute(parts[0], name)) is not None:
+            setattr(union, name, value)
     return union
 
 

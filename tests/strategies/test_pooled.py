@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import TINY, records, run_dir_of
+from helpers import TINY, records, run_dir_of, write_tiny_litemedsam
 from safetensors.numpy import load_file
 
 from medflower.data.errors import DataError
@@ -79,3 +79,22 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert resumed.keys() == uninterrupted.keys()
     for k in resumed:
         np.testing.assert_array_equal(resumed[k], uninterrupted[k], err_msg=k)
+
+
+def test_it_trains_on_the_sites_cached_encoder_outputs(tmp_path, monkeypatch):
+    """In the frozen-encoder mode each site's training split holds encoder outputs, which the loaders batch without
+    the image transforms: the union must say so too, or the first site's training fails and the model never moves."""
+    monkeypatch.setenv("MEDFLOWER_CACHE_DIR", str(tmp_path / "cache"))
+    weights = write_tiny_litemedsam(tmp_path / "tiny_lite_medsam.pth")
+    config = tiny(
+        tmp_path,
+        **{"dataset": "synthetic-seg", "backbone": "litemedsam", "backbone-weights": str(weights), "img-size": 32},
+        **{"synthetic-size": 64, "adapter": "none", "frozen-encoder": "on", "num-rounds": 2, "lr": 0.05},
+    )
+    run_inprocess(config, 2)
+    server = records(run_dir_of(config), "server")
+    assert [r["num_failed"] for r in server] == [0, 0]
+    trained = records(run_dir_of(config), "train")
+    assert [r["round"] for r in trained] == [1, 2] and all(r["pooled-examples"] > r["num-examples"] for r in trained)
+    first, last = (records(run_dir_of(config), "eval")[i]["loss"] for i in (0, -1))
+    assert last != first  # the model moved
