@@ -517,3 +517,17 @@ def test_the_generator_finds_each_strategys_page_and_refuses_a_gap(tmp_path):
     assert docpages.replace_block("a\n<!-- m:start -->\nold\n<!-- m:end -->\nb", "m", "new") == (
         "a\n<!-- m:start -->\nnew\n<!-- m:end -->\nb"
     )
+
+
+def test_every_test_file_the_docs_and_docstrings_name_exists():
+    """Tests live in tests/<package>/ beside the package they test: a path to a test file in the docs, the README or a
+    docstring must name a file that is there (the tests moved once, and a stale path sends a reader nowhere)."""
+    named = re.compile(r"tests/(?:[a-z_]+/)*test_[a-z0-9_]+\.py")
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "medflower").rglob("*.py"))]
+    stale = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in set(named.findall(path.read_text()))
+        if not (ROOT / name).is_file()
+    )
+    assert not stale, stale
