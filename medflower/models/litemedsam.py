@@ -365,6 +365,12 @@ class PromptedMaskHead(nn.Module):
         self.prompt = prompt
         self.img_size = img_size
 
+    def shared_tables(self) -> list[str]:
+        """Parameter names (relative to this module) the decoder reads whole for every image, never through a call
+        per input: the mask tokens' embedding table, expanded over the batch. Per-sample gradient hooks (DP-SGD,
+        privacy/dp_sgd.py) cannot split their gradient by image, so DP-SGD keeps them at their values."""
+        return ["sam.mask_tokens.weight"]
+
     def frozen_names(self) -> list[str]:
         """Parameter names (relative to this module) that get no gradient here."""
         used = {f"sam.output_hypernetworks_mlps.{k}." for k in range(self.num_classes)}

@@ -163,6 +163,10 @@ class PromptedSegmenter(AdaptedModel):
             )
         return x[:, :first], x[:, first:]
 
+    def shared_tables(self) -> list[str]:
+        """Trainable parameters read whole for every image (``litemedsam.PromptedMaskHead.shared_tables``)."""
+        return [f"decoder.{name}" for name in self.decoder.shared_tables()]
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The image embedding of images ``x`` (box planes after the 3 image channels are ignored)."""
         return self.backbone.forward_features(self.input_norm(x[:, :3]))

@@ -12,7 +12,8 @@ run's seed, which the server knows.
 Per-sample gradients come from Opacus's hooks, so every trainable layer must be one it has a grad sampler for:
 Linear (LoRA's A and B, bottleneck adapters, heads, ViT blocks), Conv2d and LayerNorm (decoders, patch embedding)
 work; IA3 (peft keeps its scaling vectors as bare parameters) and BatchNorm (batch statistics mix samples; ResNet
-and U-Net trained whole) do not, and are refused before round 1.
+and U-Net trained whole) do not, and are refused before round 1. A table a model reads whole for every image (SAM's
+mask tokens, ``shared_tables()``) keeps its values under DP-SGD (``keep_shared_tables``).
 """
 
 from __future__ import annotations
@@ -46,10 +47,23 @@ def _secret_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
 
+def keep_shared_tables(model: nn.Module) -> list[str]:
+    """Stop the training of ``model``'s shared tables (``shared_tables()``: parameters it reads whole for every
+    image, such as SAM's mask tokens, whose gradient no hook can split by image) and return their names. Under
+    DP-SGD they keep their pretrained values: training them on the clipped, noised sum would need their per-sample
+    gradients, and training them outside it would release an unclipped gradient of the images."""
+    names = list(getattr(model, "shared_tables", list)())
+    parameters = dict(model.named_parameters())
+    for name in names:
+        parameters[name].requires_grad_(False)
+    return names
+
+
 def unsupported_layers(model: nn.Module, img_size: int) -> list[str]:
     """What keeps DP-SGD from training ``model`` (empty when nothing does): BatchNorm layers that train, and trainable
     parameters that get no per-sample gradient in one probe step on random images of the run's size (Opacus's
-    hooks, or its functorch fallback for layers without a hook)."""
+    hooks, or its functorch fallback for layers without a hook), or on their encoder outputs when the model takes
+    those (the frozen-encoder mode)."""
     import copy
 
     from opacus import GradSampleModule
@@ -59,9 +73,14 @@ def unsupported_layers(model: nn.Module, img_size: int) -> list[str]:
     if problems:
         return problems
     probe = copy.deepcopy(model)
+    keep_shared_tables(probe)
+    inputs = torch.randn(2, 3, img_size, img_size)
+    if getattr(probe, "encoded_inputs", False):  # frozen-encoder mode: the model takes its encoder's outputs
+        with torch.no_grad():
+            inputs = probe.encode(inputs)
     wrapped = GradSampleModule(probe)
     try:
-        wrapped(torch.randn(2, 3, img_size, img_size)).float().sum().backward()
+        wrapped(inputs).float().sum().backward()
         for name, module in probe.named_modules():
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad and getattr(p, "grad_sample", None) is None:
@@ -93,6 +112,7 @@ class PrivateTraining:
         from opacus.optimizers import DPOptimizer
 
         self.sample_rate = 1.0 / len(loader)
+        keep_shared_tables(model)
         self._module = GradSampleModule(model)
         dp_optimizer = DPOptimizer(
             optimizer,

@@ -347,3 +347,24 @@ def test_dp_sgd_supports_the_vit_adapters_and_the_segmenter(overrides):
     wrapped(torch.randn(3, 3, 16, 16)).float().sum().backward()
     assert all(p.grad_sample.shape[0] == 3 for p in model.parameters() if p.requires_grad)
     wrapped._close()
+
+
+def test_dp_sgd_trains_litemedsams_decoder_on_cached_encoder_outputs(tiny, tiny_litemedsam, tmp_path, monkeypatch):
+    """The frozen-encoder mode's model takes encoder outputs: the per-sample-gradient probe feeds it those (it fed
+    images and crashed), and SAM's mask-token table, read whole for every image so that no hook can split its
+    gradient by image, keeps its pretrained values while the rest of the decoder trains under DP-SGD."""
+    monkeypatch.setenv("MEDFLOWER_CACHE_DIR", str(tmp_path / "cache"))
+    config = tiny(
+        **{"run-name": "dp-sgd-sam", "dp-sgd": True, "dataset": "synthetic-seg", "synthetic-size": 64},
+        **{"backbone": "litemedsam", "backbone-weights": str(tiny_litemedsam), "img-size": 32, "adapter": "none"},
+        **{"frozen-encoder": "on", "num-rounds": 2, "batch-size": 4, "lr": 0.05},
+    )
+    run_inprocess(config, num_nodes=2)
+    run_dir = run_dir_of(config)
+    assert [r["num_failed"] for r in records(run_dir, "server")] == [0, 0]
+    assert all(r["dp_sgd_epsilon"] > 0 for r in records(run_dir, "train"))
+    rounds = sorted((run_dir / "checkpoint").glob("round-*"))
+    first, last = (load_file(str(r / "arrays.safetensors")) for r in (rounds[0], rounds[-1]))
+    tokens = [k for k in first if k.endswith("mask_tokens.weight")]
+    assert len(tokens) == 1 and np.array_equal(first[tokens[0]], last[tokens[0]])
+    assert any(not np.array_equal(first[k], last[k]) for k in first if k not in tokens)
