@@ -435,6 +435,15 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "replies",
     ),
     Option(
+        "max-update-over-median",
+        10.0,
+        "with 3 or more training replies, a site's update (its reply minus what it was sent, L2 over the arrays of "
+        "the same names) is scaled down to at most this many times the round's median update norm before "
+        "aggregation, so one in-range reply cannot move the model by more; 0 = no bound",
+        non_negative,
+        "replies",
+    ),
+    Option(
         "reply-value-limit",
         1e6,
         "largest absolute value in the arrays of a site's reply (a reply beyond it is rejected before aggregation)",

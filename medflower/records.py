@@ -85,6 +85,40 @@ def median_capped(weights: list[float] | np.ndarray, factor: float) -> np.ndarra
     return np.minimum(w, factor * median) if median > 0 else w
 
 
+def update_norm_bounds(
+    sent: list[Mapping[str, np.ndarray]], replies: list[Mapping[str, np.ndarray]], factor: float
+) -> tuple[list[float], float]:
+    """(‖Δ_k‖₂ per reply, the bound): Δ_k is reply k minus what was sent to its site, over the arrays both hold under
+    the same name and shape. The bound is ``factor`` × the median norm with 3 or more replies and ``factor`` > 0,
+    else inf (with 2 the median is their mean, which a dishonest reply sets); inf too when the median is 0."""
+    norms = []
+    for given, reply in zip(sent, replies):
+        total = 0.0
+        for name, value in reply.items():
+            base = given.get(name)
+            if base is not None and base.shape == value.shape:
+                total += float(np.sum(np.square(value.astype(np.float64) - base.astype(np.float64))))
+        norms.append(total**0.5)
+    median = float(np.median(norms)) if norms else 0.0
+    return norms, factor * median if factor > 0 and len(norms) >= 3 and median > 0 else float("inf")
+
+
+def scaled_update(
+    given: Mapping[str, np.ndarray], reply: Mapping[str, np.ndarray], scale: float
+) -> OrderedDict[str, np.ndarray]:
+    """``reply`` with its update scaled by ``scale``: given + scale·(reply − given) for every array both hold under
+    the same name and shape (the others as sent), in the reply's dtypes."""
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    for name, value in reply.items():
+        base = given.get(name)
+        if base is not None and base.shape == value.shape:
+            moved = base.astype(np.float64) + scale * (value.astype(np.float64) - base.astype(np.float64))
+            out[name] = moved.astype(value.dtype)
+        else:
+            out[name] = value
+    return out
+
+
 def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:
     """[N, P] float32: row j is reply j's arrays of ``spec`` flattened in spec order (one copy, no temporaries)."""
     sizes = [int(np.prod(shape)) for shape, _ in spec.values()]

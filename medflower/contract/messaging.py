@@ -21,7 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from .. import run_folder
-from ..records import ArraySpec, record_bytes
+from ..records import ArraySpec, from_record, record_bytes, scaled_update, update_norm_bounds
 from .replies import RejectedReply, check_reply, count_check
 
 REPLY_POLL_S = 0.2
@@ -200,7 +200,41 @@ class MessagingMixin:
                     timeout,
                 )
                 self.stats.failed.append(f"{client}: no reply")
+        if message_type == "train":  # model updates (not a method's statistics or gradients: "train.<action>")
+            self.bound_updates(rnd, message_type, contents, replies)
         return replies
+
+    def bound_updates(self, rnd: int, message_type: str, contents: Mapping[int, RecordDict], replies: list[Reply]):
+        """Scale down, in place, every training reply whose update (reply minus the arrays its node was sent, over
+        the names and shapes both hold) is longer than run-config max-update-over-median × the round's median update
+        norm (3 or more replies; records.update_norm_bounds; docs/reliability.md#the-size-of-one-sites-update).
+        A reply inside reply-value-limit can still hold an update thousands of times an honest one; scaled to the
+        bound it moves a mean by at most its share × the bound, and the honest sites' replies are untouched unless
+        one of them is itself that far from the median."""
+        if len(replies) < 3 or self.cfg.max_update_over_median <= 0:
+            return
+        sent = [
+            from_record(contents[r.node_id]["arrays"]) if "arrays" in contents[r.node_id] else OrderedDict()
+            for r in replies
+        ]
+        norms, bound = update_norm_bounds(sent, [r.arrays for r in replies], self.cfg.max_update_over_median)
+        for reply, given, norm in zip(replies, sent, norms):
+            if norm > bound:
+                reply.arrays = scaled_update(given, reply.arrays, bound / norm)
+                log(
+                    WARNING,
+                    "[medflower] %s %d %s: %s's update has norm %.4g, more than max-update-over-median = %g times "
+                    "the median (%.4g): scaled down to %.4g",
+                    self.round_label,
+                    rnd,
+                    message_type,
+                    reply.client,
+                    norm,
+                    self.cfg.max_update_over_median,
+                    bound / self.cfg.max_update_over_median,
+                    bound,
+                )
+                self.stats.extra.setdefault("bounded", []).append(f"{reply.client}: norm {norm:.4g} -> {bound:.4g}")
 
     def reject(self, rnd: int, message_type: str, client: str, problem: str) -> None:
         log(

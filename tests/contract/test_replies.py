@@ -21,7 +21,15 @@ from medflower.contract.replies import NPY_HEADER, RejectedReply, check_reply, c
 from medflower.contract.server import FederatedStrategy
 from medflower.contract.site_registry import SiteRegistry
 from medflower.inprocess import run_inprocess
-from medflower.records import capped_shares, from_record, median_capped, record_bytes, to_record
+from medflower.records import (
+    capped_shares,
+    from_record,
+    median_capped,
+    record_bytes,
+    scaled_update,
+    to_record,
+    update_norm_bounds,
+)
 from medflower.site_app import SiteError, handle
 from medflower.strategies import STRATEGIES
 
@@ -359,22 +367,13 @@ def test_a_new_nodes_first_answer_may_take_node_wait_timeout(tmp_path, monkeypat
 
 
 def test_an_aggregate_that_makes_every_site_fail_is_rolled_back(tmp_path, monkeypatch):
-    """One site's round-2 reply has entries of 9e5, inside reply-value-limit: averaged in, the model makes every
-    site's training loss non-finite in round 3. The server rolls back to the model before round 2's aggregate,
-    and round 4 trains on all three sites again."""
+    """One site's round-2 reply has entries of 9e5, inside reply-value-limit, and the update bound is off: averaged
+    in, the model makes every site's training loss non-finite in round 3. The server rolls back to the model before
+    round 2's aggregate, and round 4 trains on all three sites again."""
     half = STRATEGIES["fedavg"].client_half
-    honest = half.train
-
-    def poisoning(self, message):
-        content = honest(self, message)
-        if self.rt.partition_id == 0 and self.rt.round == 2:
-            arrays = from_record(content["arrays"])
-            content["arrays"] = to_record({k: np.full_like(v, 9e5) for k, v in arrays.items()})
-        return content
-
-    monkeypatch.setattr(half, "train", poisoning)
+    monkeypatch.setattr(half, "train", poisoning_round_2(half))
     config = {**TINY, "num-rounds": 4, "output-dir": str(tmp_path), "run-name": "poison", "keep-checkpoints": 4}
-    run_inprocess(config, 3)
+    run_inprocess({**config, "max-update-over-median": 0}, 3)  # the default bound would scale the reply down
     server = {r["round"]: r for r in records(run_dir_of(config), "server") if "evaluated_in" not in r}
     assert len(server[3]["failed"]) == 3 and "round 2's aggregate" in server[3]["rolled_back"]
     assert server[4]["failed"] == [] and "rolled_back" not in server[4]
@@ -383,3 +382,68 @@ def test_an_aggregate_that_makes_every_site_fail_is_rolled_back(tmp_path, monkey
     checkpoints = run_dir_of(config) / "checkpoint"
     one, three = (Checkpointer(checkpoints / f"round-00000{r}").load()[0] for r in (1, 3))
     assert all(np.array_equal(one[k], three[k]) for k in one)  # round 3 ends with the model before round 2's mean
+
+
+def poisoning_round_2(half):
+    """``half.train`` whose partition 0 replies with entries of 9e5 in round 2 (inside reply-value-limit)."""
+    honest_train = half.train
+
+    def poisoning(self, message):
+        content = honest_train(self, message)
+        if self.rt.partition_id == 0 and self.rt.round == 2:
+            arrays = from_record(content["arrays"])
+            content["arrays"] = to_record({k: np.full_like(v, 9e5) for k, v in arrays.items()})
+        return content
+
+    return poisoning
+
+
+def test_one_sites_update_is_bounded_by_the_median_update(tmp_path, monkeypatch):
+    """The same in-range poisoned reply with the default max-update-over-median (10): the reply is scaled to ten
+    times the round's median update norm, so the round-2 mean moves by at most that bound, no site fails in the
+    later rounds and nothing needs a rollback."""
+    half = STRATEGIES["fedavg"].client_half
+    monkeypatch.setattr(half, "train", poisoning_round_2(half))
+    seen: dict[int, tuple[list[float], float]] = {}
+    original = FederatedStrategy.bound_updates
+
+    def spying(self, rnd, message_type, contents, replies):
+        sent = [from_record(contents[r.node_id]["arrays"]) for r in replies]
+        seen[rnd] = update_norm_bounds(sent, [r.arrays for r in replies], self.cfg.max_update_over_median)
+        original(self, rnd, message_type, contents, replies)
+
+    monkeypatch.setattr(FederatedStrategy, "bound_updates", spying)
+    config = {**TINY, "num-rounds": 4, "output-dir": str(tmp_path), "run-name": "bounded", "keep-checkpoints": 4}
+    run_inprocess(config, 3)
+    server = {r["round"]: r for r in records(run_dir_of(config), "server") if "evaluated_in" not in r}
+    norms, bound = seen[2]
+    assert bound == pytest.approx(10 * float(np.median(norms))) and max(norms) > 1e3 * bound
+    assert [b.split(":")[0] for b in server[2]["bounded"]] == ["site-0"]
+    assert all(r["failed"] == [] and "rolled_back" not in r for r in server.values())
+    assert all("bounded" not in server[r] for r in (1, 3, 4))  # honest rounds: nothing scaled
+    checkpoints = run_dir_of(config) / "checkpoint"
+    one, two = (Checkpointer(checkpoints / f"round-00000{r}").load()[0] for r in (1, 2))
+    moved = math.sqrt(sum(float(np.sum((two[k].astype(np.float64) - one[k]) ** 2)) for k in one))
+    assert moved <= bound * (1 + 1e-5)  # a convex combination of updates no longer than the bound
+
+
+def test_update_bound_maths():
+    """Norms over the arrays both hold under one name and shape; the bound is factor × median with 3+ replies (inf
+    with 2, or a median of 0); scaling keeps the update's direction and leaves the other arrays as they are."""
+    sent = {"a": np.zeros(2, np.float32), "b": np.ones(3, np.float32)}
+    replies = [
+        {"a": np.array([3.0, 4.0], np.float32), "b": np.ones(3, np.float32), "extra": np.full(4, 1e5, np.float32)},
+        {"a": np.array([0.0, 1.0], np.float32), "b": np.full(3, 1.0, np.float32)},
+        {"a": np.array([0.0, 0.0], np.float32), "b": np.array([1.0, 1.0, 3.0], np.float32)},
+        {"a": np.array([600.0, 800.0], np.float32), "b": np.ones(3, np.float32)},
+    ]
+    norms, bound = update_norm_bounds([sent] * 4, replies, 10.0)
+    assert norms == pytest.approx([5.0, 1.0, 2.0, 1000.0]) and bound == pytest.approx(35.0)
+    scaled = scaled_update(sent, replies[3], bound / norms[3])
+    assert scaled["a"] == pytest.approx([21.0, 28.0]) and np.array_equal(scaled["b"], sent["b"])
+    assert update_norm_bounds([sent] * 4, replies, 10.0)[0][3] == pytest.approx(1000.0)  # the inputs are untouched
+    kept = scaled_update(sent, replies[0], 0.5)
+    assert np.array_equal(kept["extra"], replies[0]["extra"]) and kept["a"].dtype == np.float32
+    assert update_norm_bounds([sent] * 2, replies[:2], 10.0)[1] == math.inf
+    assert update_norm_bounds([sent] * 4, replies, 0.0)[1] == math.inf
+    assert update_norm_bounds([sent] * 3, [sent, sent, replies[3]], 10.0)[1] == math.inf  # median 0
