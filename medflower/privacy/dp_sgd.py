@@ -105,6 +105,11 @@ class PrivateTraining:
     def from_config(cls, cfg) -> PrivateTraining | None:
         return cls(cfg.dp_sgd_noise_multiplier, cfg.dp_sgd_max_grad_norm) if cfg.dp_sgd else None
 
+    def prepare(self, model: nn.Module) -> None:
+        """Before the optimizer and the method's extra term see the trainable parameters: the shared tables stop
+        training (``keep_shared_tables``)."""
+        keep_shared_tables(model)
+
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader, device: torch.device):
         """(per-sample-gradient model, DP optimizer, Poisson-sampled loader) in place of the three."""
         from opacus import GradSampleModule

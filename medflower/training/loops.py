@@ -183,6 +183,8 @@ def train_epochs(
         raise ValueError("DP-SGD trains by the task step only; a custom step's gradient is not a per-sample sum")
     step = step or task_step(model, extra_loss)
     model.to(device)
+    if private is not None:
+        private.prepare(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer.build(param_groups or params)
     net = model
