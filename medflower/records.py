@@ -85,20 +85,27 @@ def median_capped(weights: list[float] | np.ndarray, factor: float) -> np.ndarra
     return np.minimum(w, factor * median) if median > 0 else w
 
 
+def update_norm(update: Mapping[str, np.ndarray]) -> float:
+    """‖Δ‖₂ over every array of the update together (flat clipping, one bound for the whole update)."""
+    return float(np.sqrt(sum(float(np.sum(np.square(u, dtype=np.float64))) for u in update.values())))
+
+
+def common_update(given: Mapping[str, np.ndarray], reply: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+    """reply − given in float64, over the arrays both hold under the same name and shape."""
+    return OrderedDict(
+        (name, value.astype(np.float64) - given[name].astype(np.float64))
+        for name, value in reply.items()
+        if name in given and given[name].shape == value.shape
+    )
+
+
 def update_norm_bounds(
     sent: list[Mapping[str, np.ndarray]], replies: list[Mapping[str, np.ndarray]], factor: float
 ) -> tuple[list[float], float]:
-    """(‖Δ_k‖₂ per reply, the bound): Δ_k is reply k minus what was sent to its site, over the arrays both hold under
-    the same name and shape. The bound is ``factor`` × the median norm with 3 or more replies and ``factor`` > 0,
-    else inf (with 2 the median is their mean, which a dishonest reply sets); inf too when the median is 0."""
-    norms = []
-    for given, reply in zip(sent, replies):
-        total = 0.0
-        for name, value in reply.items():
-            base = given.get(name)
-            if base is not None and base.shape == value.shape:
-                total += float(np.sum(np.square(value.astype(np.float64) - base.astype(np.float64))))
-        norms.append(total**0.5)
+    """(‖Δ_k‖₂ per reply, the bound): Δ_k is reply k minus what was sent to its site (``common_update``). The bound
+    is ``factor`` × the median norm with 3 or more replies and ``factor`` > 0, else inf (with 2 the median is their
+    mean, which a dishonest reply sets); inf too when the median is 0."""
+    norms = [update_norm(common_update(given, reply)) for given, reply in zip(sent, replies)]
     median = float(np.median(norms)) if norms else 0.0
     return norms, factor * median if factor > 0 and len(norms) >= 3 and median > 0 else float("inf")
 
@@ -106,17 +113,13 @@ def update_norm_bounds(
 def scaled_update(
     given: Mapping[str, np.ndarray], reply: Mapping[str, np.ndarray], scale: float
 ) -> OrderedDict[str, np.ndarray]:
-    """``reply`` with its update scaled by ``scale``: given + scale·(reply − given) for every array both hold under
-    the same name and shape (the others as sent), in the reply's dtypes."""
-    out: OrderedDict[str, np.ndarray] = OrderedDict()
-    for name, value in reply.items():
-        base = given.get(name)
-        if base is not None and base.shape == value.shape:
-            moved = base.astype(np.float64) + scale * (value.astype(np.float64) - base.astype(np.float64))
-            out[name] = moved.astype(value.dtype)
-        else:
-            out[name] = value
-    return out
+    """``reply`` with its update scaled by ``scale``: given + scale·(reply − given) for every array of
+    ``common_update`` (the others as sent), in the reply's dtypes."""
+    update = common_update(given, reply)
+    return OrderedDict(
+        (name, (given[name] + scale * update[name]).astype(value.dtype) if name in update else value)
+        for name, value in reply.items()
+    )
 
 
 def stack_flat(replies: list[Mapping[str, np.ndarray]], spec: ArraySpec) -> np.ndarray:

@@ -29,6 +29,7 @@ import numpy as np
 from flwr.app import RecordDict
 
 from ..options import Option, non_negative, one_of, positive
+from ..records import update_norm
 
 MODES = ("none", "site", "server")
 
@@ -77,11 +78,6 @@ DP_OPTIONS: tuple[Option, ...] = (
 
 
 # ----------------------------------------------------------------------------- the math
-def update_norm(update: Mapping[str, np.ndarray]) -> float:
-    """‖Δ‖₂ over every array of the update together (flat clipping, one bound for the whole update)."""
-    return float(np.sqrt(sum(float(np.sum(np.square(u, dtype=np.float64))) for u in update.values())))
-
-
 def clipped(update: Mapping[str, np.ndarray], clipping_norm: float) -> OrderedDict[str, np.ndarray]:
     """Δ · min(1, C / ‖Δ‖) in float64 (a zero update stays zero)."""
     norm = update_norm(update)

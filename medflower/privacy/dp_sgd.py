@@ -111,13 +111,13 @@ class PrivateTraining:
         keep_shared_tables(model)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader, device: torch.device):
-        """(per-sample-gradient model, DP optimizer, Poisson-sampled loader) in place of the three."""
+        """(per-sample-gradient model, DP optimizer, Poisson-sampled loader) in place of the three (after
+        ``prepare``)."""
         from opacus import GradSampleModule
         from opacus.data_loader import DPDataLoader
         from opacus.optimizers import DPOptimizer
 
         self.sample_rate = 1.0 / len(loader)
-        keep_shared_tables(model)
         self._module = GradSampleModule(model)
         dp_optimizer = DPOptimizer(
             optimizer,
