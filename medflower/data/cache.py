@@ -97,7 +97,7 @@ class ArraySet:
         full), with no temporary file left behind."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for name, path in self.paths.items():
-            _write_atomic(path, np.asarray(arrays[name]))
+            write_atomic(path, np.asarray(arrays[name]))
 
 
 def decoded(dataset: Dataset, cache_dir: str, key: tuple) -> DecodedDataset:
@@ -170,7 +170,7 @@ class _Store:
                 arrays = self._decode_items(lambda kind, shape: self._temporary_array(kind, shape, temporaries))
                 for array in arrays.values():
                     array.flush()
-                _write_atomic(self.names()["labels"], self.labels)
+                write_atomic(self.names()["labels"], self.labels)
                 for kind, array in arrays.items():
                     os.replace(array.filename, self.names()[kind])
                 if self._load():
@@ -235,7 +235,8 @@ def _checked(array, shape: tuple, i: int, what: str) -> np.ndarray:
     return array
 
 
-def _write_atomic(path: Path, array: np.ndarray) -> None:
+def write_atomic(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` through a temporary file renamed into place: a reader never sees half a file."""
     temporary = _temporary_name(path)
     try:
         with open(temporary, "wb") as handle:

@@ -5,13 +5,18 @@ encoder's output for an image never changes during a run, so training and evalua
 ``encoded(dataset, encode, ...)`` runs ``encode`` over a split once, batch by batch, and gives a dataset of
 ``(encoder output, target)`` items. A round then costs what trains (docs/models.md#frozen-encoder-mode).
 
-With a ``cache_dir`` the outputs are written there as ``<digest>-encoded.npy`` (float16, to temporary files renamed
-into place, as the decode cache writes, ``cache.ArraySet``) and memory-mapped by later processes. ``<digest>``
-names everything that changes the outputs: a digest of the encoder's tensors (``module_digest``: its weights,
-whatever file they came from), the input normalisation, the image size, the images (for a site's decoded data the
-decode cache's digest of its files and decode settings, so all its splits and seeds share one entry; for data held
-in memory a digest of the decoded pixels) and the storage format. Augmentation never applies (the
-mode is off when the run augments). A cache file that is missing, truncated or of the wrong shape is rebuilt.
+With a ``cache_dir`` each image's output is one file, ``encoded-<encoder>/<image>.npy`` (float16, written to a
+temporary file renamed into place, as the decode cache writes, ``cache.ArraySet``), named by content:
+``<encoder>`` is a digest of everything about the encoder that changes its outputs (``module_digest`` of its tensors,
+whatever file they came from, the input normalisation, the image size, the storage format) and ``<image>`` a digest
+of the image's decoded pixels (``image_digest``: the file's content after resizing, intensity and mask settings).
+So an image is encoded once per encoder however it reaches a site: another seed's partition that moves rows
+between sites, a copy of the data with new file dates, a folder with images added (only the new ones encode), two
+sites holding the same image. A site's rows are listed in ``<digest>-encoded-index.npy`` (the image digests in row
+order) under the digest that names its decoded data (for a site's decoded data the decode cache's digest, so all its
+splits share one list), so a later process finds them without hashing pixels. A missing, truncated or mis-shaped
+file is encoded again; the rest are read as they are. Augmentation never applies (the mode is off when the run
+augments).
 
 Float16 storage halves the disk and page cache (LiteMedSAM's 256×64×64 embedding: 2 MiB an image); the decoder reads
 them back as float32. The rounding (relative 2^-11) is far below what training changes.
@@ -29,11 +34,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .cache import ArraySet, entry_digest
+from .cache import ArraySet, entry_digest, write_atomic
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the layout of the stored outputs changes
+FORMAT = 2  # bump when the layout of the stored outputs changes (1: one file per site)
 DTYPE = np.float16
 
 
@@ -47,13 +52,24 @@ def module_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def _hash_image(digest, image: np.ndarray) -> None:
+    image = np.ascontiguousarray(image)
+    digest.update(f"{image.shape}\0{image.dtype}\n".encode())
+    digest.update(image.tobytes())
+
+
+def image_digest(image: np.ndarray) -> str:
+    """Digest of one decoded image (its shape, dtype and pixels): the name of its encoder output."""
+    digest = hashlib.blake2b(digest_size=20)
+    _hash_image(digest, image)
+    return digest.hexdigest()
+
+
 def pixels_digest(dataset: Dataset) -> str:
     """Digest of every item's decoded image, in order (what the encoder reads)."""
     digest = hashlib.blake2b(digest_size=16)
     for i in range(len(dataset)):
-        image = np.ascontiguousarray(dataset[i][0])
-        digest.update(f"{image.shape}\0{image.dtype}\n".encode())
-        digest.update(image.tobytes())
+        _hash_image(digest, dataset[i][0])
     return digest.hexdigest()
 
 
@@ -71,14 +87,16 @@ def encoded(
     encoder and its input (``module_digest``, normalisation, image size); ``what`` names the data in the log.
 
     A split of a site's decoded data (``cache.DecodedDataset``) is served from the outputs of all the site's rows,
-    encoded once and named by the decode cache's digest (its files and decode settings): every split, seed and
-    strategy of that site shares them."""
+    listed once under the decode cache's digest (its files and decode settings): every split of that site shares the
+    list, and every image's output is shared by whatever site, seed or copy of the data holds the same pixels."""
     whole, positions, content = _whole(dataset)
     digest = entry_digest("encoded", FORMAT, identity, content, len(whole))
-    outputs = None if cache_dir else _MEMORY.get(digest)
-    if outputs is None:
-        outputs = _outputs(whole, encode, digest, cache_dir, batch_size, device, what)
-    if not cache_dir:
+    if cache_dir:
+        outputs = _stored_outputs(whole, encode, identity, digest, Path(cache_dir), batch_size, device, what)
+    else:
+        outputs = _MEMORY.get(digest)
+        if outputs is None:
+            outputs = _encode_logged(whole, encode, batch_size, device, what, "")
         if len(_MEMORY) >= 8:
             _MEMORY.pop(next(iter(_MEMORY)))
         _MEMORY[digest] = outputs
@@ -86,7 +104,7 @@ def encoded(
 
 
 # Without a cache folder: digest -> outputs in this process's memory, so a site's three splits (and its later
-# messages) encode its rows once. With one, each call memory-maps the checked file instead.
+# messages) encode its rows once. With one, each call reads the site's list and the images' files instead.
 _MEMORY: dict[str, np.ndarray] = {}
 
 
@@ -104,37 +122,107 @@ def _whole(dataset: Dataset) -> tuple[Dataset, np.ndarray, str]:
     return dataset, np.arange(len(dataset)), f"pixels:{pixels_digest(dataset)}"
 
 
-def _outputs(
+class StoredOutputs:
+    """The encoder outputs of a list of images, one float16 file each (``<folder>/<image digest>.npy``), read when an
+    item is asked for: ``outputs[i]`` is row i's array."""
+
+    def __init__(self, folder: Path, keys: list[str]) -> None:
+        self.folder, self.keys = folder, list(keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def path(self, i: int) -> Path:
+        return self.folder / f"{self.keys[i]}.npy"
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.load(self.path(int(i)), allow_pickle=False)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        stacked = np.stack([self[i] for i in range(len(self))]) if len(self) else np.zeros((0,), DTYPE)
+        return stacked if dtype is None else stacked.astype(dtype)
+
+    def unusable(self) -> list[int]:
+        """Rows whose file is missing, truncated, not float16, or of another shape than most rows'."""
+        shapes: dict[int, tuple] = {}
+        for i in range(len(self)):
+            try:
+                array = np.load(self.path(i), mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError, EOFError):
+                continue
+            if array.dtype == DTYPE:
+                shapes[i] = array.shape
+        if not shapes:
+            return list(range(len(self)))
+        common = max(set(shapes.values()), key=list(shapes.values()).count)
+        return [i for i in range(len(self)) if shapes.get(i) != common]
+
+
+def _stored_outputs(
     whole: Dataset,
     encode: Callable[[torch.Tensor], torch.Tensor],
+    identity: tuple,
     digest: str,
-    cache_dir: str,
+    cache_dir: Path,
     batch_size: int,
     device: torch.device,
     what: str,
+) -> StoredOutputs | np.ndarray:
+    """``whole``'s outputs from the cache folder: its list of image digests (made now when it is not there), each
+    image's file, and the encoder run on the images whose file is not usable (then stored). In memory when the folder
+    cannot be written."""
+    folder = cache_dir / f"encoded-{entry_digest('encoder', FORMAT, identity)}"
+    index = ArraySet(cache_dir, digest, ("encoded-index",))
+    listed = index.load(lambda a: a["encoded-index"].shape == (len(whole),) and a["encoded-index"].dtype.kind == "S")
+    if listed is not None:
+        outputs = StoredOutputs(folder, [key.decode() for key in listed["encoded-index"]])
+        if not outputs.unusable():
+            return outputs
+    else:
+        outputs = StoredOutputs(folder, [image_digest(whole[i][0]) for i in range(len(whole))])
+    missing = outputs.unusable()
+    first = {}  # one row per missing image: a repeated image is encoded once
+    for i in missing:
+        first.setdefault(outputs.keys[i], i)
+    rows = sorted(first.values())
+    found = f" ({len(whole) - len(missing)} of the {len(whole)} found in {folder})"
+    fresh = _encode_logged(_Rows(whole, rows), encode, batch_size, device, what, found) if rows else []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for row, output in zip(rows, fresh):
+            write_atomic(outputs.path(row), output)
+        index.store({"encoded-index": np.array(outputs.keys, dtype="S")})
+    except OSError as exc:
+        logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, exc)
+        by_key = {outputs.keys[row]: output for row, output in zip(rows, fresh)}
+        return np.stack([by_key[key] if key in by_key else outputs[i] for i, key in enumerate(outputs.keys)])
+    return outputs
+
+
+class _Rows(Dataset):
+    """The items of ``dataset`` at ``rows`` (its image size and task looked up through ``dataset``)."""
+
+    def __init__(self, dataset: Dataset, rows: list[int]) -> None:
+        self.dataset, self.rows = dataset, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.dataset[self.rows[i]]
+
+
+def _encode_logged(
+    dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device, what: str, found: str
 ) -> np.ndarray:
-    """The stored outputs of ``whole`` when the cache folder has them, else encoded now (and stored)."""
-    entry = ArraySet(Path(cache_dir), digest, ("encoded",)) if cache_dir else None
-    if entry is not None:
-        arrays = entry.load(lambda a: a["encoded"].shape[:1] == (len(whole),) and a["encoded"].dtype == DTYPE)
-        if arrays is not None:
-            return arrays["encoded"]
+    """``run_encoder`` over ``dataset``, its time in the log."""
     start = time.perf_counter()
-    outputs = run_encoder(whole, encode, batch_size, device)
+    outputs = run_encoder(dataset, encode, batch_size, device)
     seconds = time.perf_counter() - start
     logger.info(
         "frozen-encoder mode: encoded %d images%s in %.1f s (%.2f s each)%s",
-        len(whole), f" of {what}" if what else "", seconds, seconds / max(len(whole), 1),
-        f", kept in {cache_dir}" if entry else "",
+        len(dataset), f" of {what}" if what else "", seconds, seconds / max(len(dataset), 1), found,
     )  # fmt: skip
-    if entry is not None:
-        try:
-            entry.store({"encoded": outputs})
-            stored = entry.load()
-            if stored is not None:
-                return stored["encoded"]
-        except OSError as exc:
-            logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, exc)
     return outputs
 
 

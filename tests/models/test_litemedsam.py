@@ -3,12 +3,14 @@ same loader, SAM's mask decoder as the head with whole-image and box prompts, ad
 backbone's input normalisation, and the frozen-encoder mode's cache (data/encoded.py)."""
 
 import json
+import os
 import shutil
 import sys
 import types
 from dataclasses import replace
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 from helpers import TINY_LITEMEDSAM, records, run_dir_of, write_tiny_litemedsam
@@ -290,33 +292,75 @@ class Split(torch.utils.data.Dataset):
         return self.images[i], self.masks[i]
 
 
-def test_encoder_outputs_are_cached_reused_and_rebuilt_when_anything_changes(tiny_file, tmp_path):
-    model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
-    calls = []
-
+def counting(model, calls):
     def encode(x):
         calls.append(len(x))
         return model.encode(x)
 
+    return encode
+
+
+def test_encoder_outputs_are_cached_reused_and_rebuilt_when_anything_changes(tiny_file, tmp_path):
+    model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
+    calls = []
+    encode = counting(model, calls)
+    cpu = torch.device("cpu")
     identity = ("PromptedSegmenter", module_digest(model.backbone), model.input_norm_name, 32)
     split = Split(6)
-    first = encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=4, device=torch.device("cpu"))
-    assert calls == [4, 2] and len(list(tmp_path.glob("*-encoded.npy"))) == 1
-    assert not list(tmp_path.glob("*.tmp"))
-    again = encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=4, device=torch.device("cpu"))
+    first = encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=4, device=cpu)
+    images = sorted(tmp_path.glob("encoded-*/*.npy"))
+    assert calls == [4, 2] and len(list(tmp_path.glob("*-encoded-index.npy"))) == 1 and len(images) == 6
+    assert not list(tmp_path.rglob("*.tmp"))
+    again = encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=4, device=cpu)
     assert calls == [4, 2] and np.array_equal(np.asarray(first.outputs), np.asarray(again.outputs))
-    # other weights, or other pixels: a new entry
+    with torch.no_grad():
+        direct = model.encode(images_to_tensor(list(split.images), 32)).numpy()
+    assert np.allclose(np.asarray(again.outputs), direct, atol=2e-3)
+    # other weights, or other pixels: new entries
     other = ("PromptedSegmenter", "another-encoder", model.input_norm_name, 32)
-    encoded(split, encode, identity=other, cache_dir=str(tmp_path), batch_size=8, device=torch.device("cpu"))
-    encoded(
-        Split(6, seed=1), encode, identity=identity, cache_dir=str(tmp_path), batch_size=8, device=torch.device("cpu")
-    )
-    assert calls == [4, 2, 6, 6] and len(list(tmp_path.glob("*-encoded.npy"))) == 3
-    # a truncated file is rebuilt
-    file = next(iter(sorted(tmp_path.glob("*-encoded.npy"), key=lambda p: p.stat().st_mtime)))
-    file.write_bytes(file.read_bytes()[:100])
-    encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=8, device=torch.device("cpu"))
-    assert calls[-1] == 6
+    encoded(split, encode, identity=other, cache_dir=str(tmp_path), batch_size=8, device=cpu)
+    encoded(Split(6, seed=1), encode, identity=identity, cache_dir=str(tmp_path), batch_size=8, device=cpu)
+    assert calls == [4, 2, 6, 6] and len(list(tmp_path.glob("encoded-*/*.npy"))) == 18
+    # a truncated or mis-shaped image file is encoded again, alone; the rest are read as they are
+    images[2].write_bytes(images[2].read_bytes()[:100])
+    np.save(images[4], np.zeros((3, 3), np.float16))
+    rebuilt = encoded(split, encode, identity=identity, cache_dir=str(tmp_path), batch_size=8, device=cpu)
+    assert calls[-1] == 2 and np.array_equal(np.asarray(rebuilt.outputs), np.asarray(first.outputs))
+
+
+def test_an_image_is_encoded_once_whichever_split_site_or_copy_holds_it(tiny_file, tmp_path):
+    """The outputs are named by each image's pixels: a split that shares rows with another, repeats an image or lost
+    its row list encodes only the images never seen."""
+    model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
+    calls = []
+    encode = counting(model, calls)
+    identity = ("PromptedSegmenter", module_digest(model.backbone), model.input_norm_name, 32)
+    kwargs = {"identity": identity, "cache_dir": str(tmp_path), "batch_size": 16, "device": torch.device("cpu")}
+    first = Split(6)
+    encoded(first, encode, **kwargs)
+    mixed = Split(6, seed=1)
+    mixed.images[:3] = first.images[3:]  # three rows moved in from the first split
+    mixed.images[5] = mixed.images[4]  # and one image twice
+    out = encoded(mixed, encode, **kwargs)
+    assert calls == [6, 2]
+    with torch.no_grad():
+        direct = model.encode(images_to_tensor(list(mixed.images), 32)).numpy()
+    assert np.allclose(np.asarray(out.outputs), direct, atol=2e-3)
+    for index in tmp_path.glob("*-encoded-index.npy"):
+        index.unlink()
+    encoded(mixed, encode, **kwargs)
+    assert calls == [6, 2]
+
+
+def test_a_cache_folder_that_cannot_be_written_keeps_the_outputs_in_memory(tiny_file, tmp_path, caplog):
+    model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
+    identity = ("PromptedSegmenter", module_digest(model.backbone), model.input_norm_name, 32)
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder should be")
+    cpu = torch.device("cpu")
+    out = encoded(Split(5), model.encode, identity=identity, cache_dir=str(blocked), batch_size=4, device=cpu)
+    assert isinstance(out.outputs, np.ndarray) and len(out) == 5 and out[4][0].shape == out.outputs[0].shape
+    assert "not cached" in caplog.text
 
 
 @pytest.mark.parametrize("prompt", ["whole-image", "box"])
@@ -360,8 +404,10 @@ def test_a_frozen_encoder_run_trains_the_decoder_and_records_its_mode(tiny_file,
     resolved = json.loads((run_dir_of(config) / "config.json").read_text())["resolved"]
     assert resolved["frozen-encoder"] == "on" and resolved["input-norm"] == "min-max"
     assert resolved["weights-source"].endswith(f"sha256:{litemedsam.weights_digest(tiny_file)}")
-    cached = sorted((tmp_path / "cache").glob("*-encoded.npy"))
-    assert len(cached) == 6  # 2 sites × train, val, test
+    cached = sorted((tmp_path / "cache").glob("*-encoded-index.npy"))
+    assert len(cached) == 6  # 2 sites × train, val, test (data held in memory: each split its own row list)
+    cached += sorted((tmp_path / "cache").glob("encoded-*/*.npy"))
+    assert len(cached) == 6 + 64
     losses = [r["train_loss"] for r in records(run_dir_of(config), "train") if "train_loss" in r]
     assert losses and all(np.isfinite(losses))
     stamps = [p.stat().st_mtime_ns for p in cached]
@@ -456,11 +502,13 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
     cache = tmp_path / "cache"
     summaries = encode.prepare(run_config, 2, cache_dir=str(cache), data_roots=str(tmp_path))
     assert [s["train"] + s["val"] + s["test"] for s in summaries] == [8, 8]
-    entries = sorted(cache.glob("*-encoded.npy"))
-    assert len(entries) == 2
+    entries = sorted(cache.glob("*-encoded-index.npy"))
+    assert len(entries) == 2 and len(list(cache.glob("encoded-*/*.npy"))) == 16
+    entries += sorted(cache.glob("encoded-*/*.npy"))
     stamps = [p.stat().st_mtime_ns for p in entries]
     encode.prepare({**run_config, "seed": 1}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
-    assert sorted(cache.glob("*-encoded.npy")) == entries and [p.stat().st_mtime_ns for p in entries] == stamps
+    assert sorted(cache.glob("*-encoded-index.npy")) == entries[:2]
+    assert [p.stat().st_mtime_ns for p in entries] == stamps
     # the cached rows are the eval-mode encoder's outputs of the split's images
     from medflower.contract.client import model_inputs
     from medflower.data import load_client_data
@@ -478,6 +526,47 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
     assert np.allclose(inputs.test[0][0], expected, atol=2e-3, rtol=2e-3)
     with pytest.raises(ConfigError, match="not in the frozen-encoder mode"):
         encode.prepare({**run_config, "adapter": "lora"}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
+
+
+def test_another_seeds_partition_or_a_fresh_copy_of_the_data_encodes_nothing_again(tiny_file, tmp_path, monkeypatch):
+    """An iid partition moves rows between sites with the seed, and a copied folder gets new file dates: both change
+    the decode cache's key, but every image's output is found by its pixels, so nothing is encoded again; an image
+    added to a site is the only one encoded."""
+    from medflower import encode
+    from medflower.data import encoded as encoded_module
+    from medflower.data.synthetic_seg import write_segfolder
+
+    root = write_segfolder(tmp_path / "fed", {"a": 0, "b": 1}, per_site=8, size=32, seed=0)
+    weights = shutil.copy(tiny_file, tmp_path / "lite.pth")
+    run_config = {
+        "dataset": f"segfolder:{root}",
+        "partition": "iid",
+        "backbone": "litemedsam",
+        "backbone-weights": str(weights),
+        "img-size": 32,
+        "adapter": "none",
+    }
+    from medflower.contract.client import _cached_data
+
+    def prepare(**extra):  # as a new process would: a site keeps its data for the life of its process
+        _cached_data.cache_clear()
+        encode.prepare({**run_config, **extra}, 2, cache_dir=str(tmp_path / "cache"), data_roots=str(tmp_path))
+
+    encoded_rows = []
+    real = encoded_module.run_encoder
+    monkeypatch.setattr(encoded_module, "run_encoder", lambda d, *a: encoded_rows.append(len(d)) or real(d, *a))
+    prepare()
+    assert sum(encoded_rows) == 16
+    prepare(seed=1)
+    for file in root.rglob("*.png"):
+        os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))
+    prepare()
+    assert sum(encoded_rows) == 16
+    image = sorted((root / "a" / "images").iterdir())[0]
+    PIL.Image.fromarray(np.roll(np.asarray(PIL.Image.open(image)), 5, axis=0)).save(image.with_name("a-added.png"))
+    shutil.copy(root / "a" / "masks" / image.name, root / "a" / "masks" / "a-added.png")
+    prepare()
+    assert sum(encoded_rows) == 17
 
 
 def test_a_sites_joining_query_does_not_wait_for_its_encoder_outputs(tiny_file, tmp_path, monkeypatch):
