@@ -154,6 +154,14 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "only (docs/deployment.md#fewer-messages-per-round)",
     ),
     Option(
+        "evaluate-every",
+        1,
+        "evaluate the sites' test splits every this many rounds, and always after the last round; 1 = every round. "
+        "Saves the evaluation's cost where it is as large as training's (an encoder's forward on every test image); "
+        "strategies with the default round and SiFT (docs/experiments.md#evaluating-every-few-rounds)",
+        in_range(1, 100_000),
+    ),
+    Option(
         "cross-site-evaluation",
         False,
         "after the last round, every site evaluates every final model it may see and summary.json/summary.md get the "
@@ -619,6 +627,33 @@ class ExperimentConfig(RunSettings):
                 True,
                 "with secagg a training reply carries only the masked update, no evaluation; leave one of them off",
             )
+        if self.evaluate_every > 1:
+            if not (method.run_round is FederatedStrategy.run_round or method.sparse_evaluation):
+                supported = [
+                    n
+                    for n, c in STRATEGIES.items()
+                    if c.run_round is FederatedStrategy.run_round or c.sparse_evaluation
+                ]
+                raise bad(
+                    "evaluate-every",
+                    self.evaluate_every,
+                    f"strategy {self.strategy!r} evaluates in its own protocol (per task or phase); it works with "
+                    f"{', '.join(supported)}",
+                )
+            if self.evaluate_in_train:
+                raise bad(
+                    "evaluate-every",
+                    self.evaluate_every,
+                    "evaluate-in-train carries every round's evaluation in the next round's training replies; leave "
+                    "one of them off",
+                )
+            if self.dp_target_epsilon > 0:
+                raise bad(
+                    "evaluate-every",
+                    self.evaluate_every,
+                    f"dp-target-epsilon = {self.dp_target_epsilon:g} may stop the run before a round, which would "
+                    "leave the last round trained without its evaluation; leave one of them off",
+                )
         if self.cross_site_evaluation and method.run_round is not FederatedStrategy.run_round:
             supported = [n for n, c in STRATEGIES.items() if c.run_round is FederatedStrategy.run_round]
             raise bad(

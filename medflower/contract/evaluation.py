@@ -34,14 +34,21 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class EvaluationMixin:
-    """Evaluations: ``record_evaluation`` (log each site's, pool the confusion counts), ``evaluates_in_train`` and
+    """Evaluations: ``record_evaluation`` (log each site's, pool the confusion counts), ``evaluates_round``
+    (run-config evaluate-every), ``evaluates_in_train`` and
     ``record_carried_evaluation`` (run-config evaluate-in-train), ``cross_site_evaluation`` (run-config
     cross-site-evaluation).
 
     Reads from the rest of ``FederatedStrategy``: ``cfg``, ``recorder``, ``stats``, ``num_classes``,
-    ``completed_rounds``, ``name``, ``round_label``, ``global_model``, ``model_classes`` and ``evaluate_content``
-    (server.py), ``exchange`` (messaging.py), ``refresh_nodes``, ``ordered_nodes`` and ``client_name`` (nodes.py).
+    ``completed_rounds``, ``total_rounds``, ``name``, ``round_label``, ``global_model``, ``model_classes`` and
+    ``evaluate_content`` (server.py), ``exchange`` (messaging.py), ``refresh_nodes``, ``ordered_nodes`` and
+    ``client_name`` (nodes.py).
     """
+
+    def evaluates_round(self, rnd: int) -> bool:
+        """Whether round ``rnd`` has an evaluate phase: every ``evaluate-every``-th round and the last one."""
+        every = int(self.cfg.evaluate_every)
+        return every <= 1 or rnd % every == 0 or rnd >= self.total_rounds()
 
     def evaluates_in_train(self, rnd: int) -> bool:
         """Whether round ``rnd``'s training messages ask for the previous round's evaluation first (run-config

@@ -84,6 +84,9 @@ class FederatedStrategy(NodesMixin, MessagingMixin, PersistenceMixin, SecureAggr
     # message's arrays, done before training, is the previous round's evaluation: run-config evaluate-in-train may
     # carry it in the training reply (``ClientHalf.train_after_evaluating``) and skip the evaluate phase.
     folds_evaluation: ClassVar[bool] = False
+    # Its own ``run_round`` skips the evaluate phase of the rounds ``evaluates_round`` says no to (run-config
+    # evaluate-every); the default round does.
+    sparse_evaluation: ClassVar[bool] = False
     # Its final model is one model, the same for every site: ``evaluate_content`` sends every site the same arrays
     # and its client half evaluates them as received, adding nothing the site keeps. Run-config
     # cross-site-evaluation then sends it to every site; without it each site's final model is its own (parts kept on
@@ -290,6 +293,8 @@ class FederatedStrategy(NodesMixin, MessagingMixin, PersistenceMixin, SecureAggr
             self.stats.aggregation_s += time.monotonic() - started
         if self.cfg.evaluate_in_train and rnd < self.total_rounds():
             return  # this round's evaluation comes with the next round's training replies
+        if not self.evaluates_round(rnd):
+            return
         contents = {n: self.evaluate_content(rnd, n) for n in self.ordered_nodes()}
         self.stats.extra.update(self.record_evaluation(rnd, self.exchange(grid, "evaluate", contents, rnd)))
 

@@ -158,6 +158,7 @@ class SiFT(FederatedStrategy):
     client_dp = ("site",)  # each hop of the relay sends on a noised update of the pair it received
     tasks = ("classification",)  # the text-guided head classifies
     trains_backbone = True
+    sparse_evaluation = True  # run_round evaluates the rounds evaluates_round names (run-config evaluate-every)
 
     @classmethod
     def model_fields(cls, cfg, class_names: list[str]) -> dict[str, Any]:
@@ -260,6 +261,8 @@ class SiFT(FederatedStrategy):
         for position in range(self.position, len(order)):
             self.hop(grid, rnd, position, node_of.get(order[position]))
         self.position, self.partial = 0, []
+        if not self.evaluates_round(rnd):
+            return
         inference = self.inference_arrays()
         evaluation = {
             n: RecordDict({"arrays": to_record(inference), "config": self.base_config(rnd)})
