@@ -255,10 +255,11 @@ class ClientRuntime:
         optimizer: OptimizerSpec | None = None,
         batch_size: int | None = None,
         model: torch.nn.Module | None = None,
+        max_steps: int | None = None,
     ) -> dict[str, float]:
-        """``local-epochs`` of the site's training split (or ``local-steps`` steps) on ``model`` (default: the site's
-        model), seeded per site and round; with run-config dp-sgd, DP-SGD steps and the site's ε so far
-        (``dp_sgd_epsilon``)."""
+        """``local-epochs`` of the site's training split (or ``local-steps`` steps, or ``max_steps``) on ``model``
+        (default: the site's model), seeded per site and round; with run-config dp-sgd, DP-SGD steps and the site's ε
+        so far (``dp_sgd_epsilon``)."""
         torch.manual_seed(self.seed(2))
         private = PrivateTraining.from_config(self.cfg)
         loader = self.loader("train", shuffle=True, batch_size=batch_size)
@@ -268,7 +269,7 @@ class ClientRuntime:
                 self.model if model is None else model,
                 loader,
                 epochs=self.cfg.local_epochs,
-                max_steps=self.cfg.local_steps,
+                max_steps=self.cfg.local_steps if max_steps is None else max_steps,
                 optimizer=optimizer or self.optimizer(),
                 device=self.device,
                 extra_loss=extra_loss,

@@ -6,8 +6,9 @@ simulation, never a way to run a federation: the training site reads every parti
 hospital cannot, so a site with its own node-config ``data-path`` refuses it.
 
 Each round the first site (by partition id) trains the global model for ``local-epochs`` over the union of every
-partition's training split (the same number of optimizer steps per round as all sites of ``fedavg`` together, with
-the same batch size, optimizer and learning rate); every site then evaluates the global model on its own
+partition's training split, or with ``local-steps`` for that many steps times the number of partitions (either way
+the same number of optimizer steps per round as all sites of ``fedavg`` together, with the same batch size,
+optimizer and learning rate); every site then evaluates the global model on its own
 validation and test splits, as for ``fedavg``. Nothing is aggregated: the trainer's reply is the model.
 See docs/baselines-fedavg-like.md#pooled.
 """
@@ -63,7 +64,9 @@ class PooledClient(ClientHalf):
         union = pooled_training_split(rt)
         # The runtime's loaders read ``rt.data``; this message's runtime trains on the union instead.
         rt.data = dataclasses.replace(rt.data, train=union)
-        metrics = rt.train_local()
+        # As many steps as every site of a federation together: an epoch of the union, or local-steps per site
+        steps = rt.cfg.local_steps * rt.num_partitions if rt.cfg.local_steps else None
+        metrics = rt.train_local(max_steps=steps)
         # The server checks num-examples against what the site declared when it joined (its own split); the union's
         # size is reported apart. One reply is aggregated, so its weight does not matter.
         metrics["num-examples"] = len(rt.raw_data.train)

@@ -51,6 +51,15 @@ def test_the_first_site_trains_on_every_sites_training_split_and_every_site_eval
     assert evaluated == {(rnd, f"site-{p}") for rnd in (1, 2) for p in range(NODES)}
 
 
+def test_with_local_steps_the_trainer_takes_as_many_steps_as_every_site_together(tmp_path):
+    config = tiny(tmp_path, **{"num-rounds": 1, "local-steps": 3, "batch-size": 4})
+    run_inprocess(config, NODES)
+    fedavg = tiny(tmp_path, strategy="fedavg", **{"num-rounds": 1, "local-steps": 3, "batch-size": 4, "run-name": "f"})
+    run_inprocess(fedavg, NODES)
+    (trained,) = records(run_dir_of(config), "train")
+    assert trained["train_steps"] == 3 * NODES == sum(r["train_steps"] for r in records(run_dir_of(fedavg), "train"))
+
+
 def test_the_model_learns_from_the_union(tmp_path):
     config = tiny(tmp_path, **{"num-rounds": 3})
     summary, _ = run_inprocess(config, NODES)
