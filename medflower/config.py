@@ -628,12 +628,12 @@ class ExperimentConfig(RunSettings):
                 "with secagg a training reply carries only the masked update, no evaluation; leave one of them off",
             )
         if self.evaluate_every > 1:
-            if not (method.run_round is FederatedStrategy.run_round or method.sparse_evaluation):
-                supported = [
-                    n
-                    for n, c in STRATEGIES.items()
-                    if c.run_round is FederatedStrategy.run_round or c.sparse_evaluation
-                ]
+
+            def sparse(c) -> bool:  # its round skips the evaluate phase evaluates_round says no to
+                return c.run_round is FederatedStrategy.run_round or c.sparse_evaluation
+
+            if not sparse(method):
+                supported = [n for n, c in STRATEGIES.items() if sparse(c)]
                 raise bad(
                     "evaluate-every",
                     self.evaluate_every,
