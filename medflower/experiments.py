@@ -17,6 +17,7 @@ File layout::
     pretrain:                      # optional: foundation stand-ins the runs start from, built (once) when missing
       outputs/weights/vit-tiny-64-pool-mim.safetensors: --objective mim --dataset segfolder:data/ph2 --img-size 64
     base: {num-rounds: 5}          # run-config shared by every run
+    extends: other.yaml            # optional: every entry of that file but its name; base merged key by key
     runs:
       - {name: fedavg, strategy: fedavg}
       - {name: local, strategy: local}
@@ -67,12 +68,40 @@ class ExperimentFileError(ValueError):
     """The YAML file is malformed; the message names the file and the entry."""
 
 
-def load_plan(path: Path) -> dict[str, Any]:
-    """Parse and validate the YAML file; every run's config is validated before anything runs."""
+def read_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The YAML file as a dict, with the file its ``extends`` names merged under it.
+
+    ``extends: other.yaml`` (relative to this file's folder) takes every top-level entry of that file but its
+    ``name``; an entry here replaces the inherited one, except ``base``, which is merged key by key (a key set to
+    null here drops the inherited value, so the run-config default applies). The chain may go on; a loop is an
+    error. PyYAML and the YAML spec have no include mechanism (merge keys work within one document), hence this.
+    """
     if not path.is_file():
         raise ExperimentFileError(f"experiment file {path} does not exist")
+    if path.resolve() in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ExperimentFileError(f"{path}: 'extends' loops back to a file already read: {chain}")
     plan = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(plan, dict) or not isinstance(plan.get("runs"), list) or not plan["runs"]:
+    if not isinstance(plan, dict):
+        raise ExperimentFileError(f"{path}: needs a mapping of entries (name, seeds, base, runs, ...)")
+    if not isinstance(plan.get("base", {}), dict):
+        raise ExperimentFileError(f"{path}: 'base' maps run-config keys to values, e.g. {{num-rounds: 5}}")
+    parent_name = plan.pop("extends", None)
+    if parent_name is None:
+        return plan
+    if not isinstance(parent_name, str) or not parent_name:
+        raise ExperimentFileError(f"{path}: 'extends' names one experiment file, got {parent_name!r}")
+    parent = read_file(path.parent / parent_name, (*_seen, path.resolve()))
+    parent.pop("name", None)
+    base = {**parent.get("base", {}), **plan.get("base", {})}
+    plan = {**parent, **plan, "base": {k: v for k, v in base.items() if v is not None}}
+    return plan
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    """Parse and validate the YAML file; every run's config is validated before anything runs."""
+    plan = read_file(path)
+    if not isinstance(plan.get("runs"), list) or not plan["runs"]:
         raise ExperimentFileError(f"{path}: needs a non-empty 'runs' list")
     plan.setdefault("name", path.stem)
     plan.setdefault("seeds", [0])

@@ -12,11 +12,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
 from flwr.common.config import parse_config_args
 
 from medflower import docpages
 from medflower.config import ConfigError, ExperimentConfig, all_options, defaults, run_config_markdown
+from medflower.experiments import ExperimentFileError, read_file
 from medflower.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -379,7 +379,10 @@ def python_commands() -> list[tuple[str, str]]:
 
 def check_experiment_file(path: Path) -> None:
     """The structure load_plan checks, without needing the data files the runs read."""
-    plan = yaml.safe_load(path.read_text()) or {}
+    try:
+        plan = read_file(path)  # with the file its ``extends`` names merged in
+    except ExperimentFileError as err:
+        raise AssertionError(str(err)) from err
     assert isinstance(plan, dict) and isinstance(plan.get("runs"), list) and plan["runs"], f"{path}: no 'runs' list"
     names = [run.get("name") for run in plan["runs"]]
     assert all(names) and len(set(names)) == len(names), f"{path}: run names missing or repeated: {names}"

@@ -181,6 +181,49 @@ def test_data_paths_of_every_kind_are_taken_from_where_the_command_runs(tmp_path
     assert config["data-dir"] == str(tmp_path / "data")
 
 
+def test_a_file_extends_another_inheriting_all_but_its_name_and_merging_base_key_by_key(tmp_path):
+    parent = {
+        "name": "two-sites",
+        "num-supernodes": 2,
+        "seeds": [0, 1, 2],
+        "metrics": ["auc"],
+        "base": {**TINY_BASE, "lr": 0.01, "frozen-encoder": "off"},
+        "runs": [{"name": "local", "strategy": "local"}, {"name": "fedavg", "strategy": "fedavg"}],
+    }
+    write_yaml(tmp_path / "two-sites.yaml", parent)
+    (tmp_path / "sub").mkdir()
+    child = {"extends": "../two-sites.yaml", "num-supernodes": 4, "base": {"lr": 0.1, "frozen-encoder": None}}
+    plan = load_plan(write_yaml(tmp_path / "sub" / "four-sites.yaml", child))
+    assert plan["name"] == "four-sites"  # its own file's stem, not the parent's name: outputs never collide
+    assert plan["num-supernodes"] == 4 and plan["seeds"] == [0, 1, 2] and plan["runs"] == parent["runs"]
+    assert plan["base"] == {**TINY_BASE, "lr": 0.1}  # lr replaced, frozen-encoder dropped to its default
+    # a chain of three: the middle file's runs replace the first's, the last inherits them
+    write_yaml(tmp_path / "sub" / "more.yaml", {"extends": "four-sites.yaml", "seeds": [0]})
+    assert load_plan(tmp_path / "sub" / "more.yaml")["num-supernodes"] == 4
+    only = {"extends": "../two-sites.yaml", "runs": [{"name": "pooled", "strategy": "pooled"}]}
+    assert [r["name"] for r in load_plan(write_yaml(tmp_path / "sub" / "p.yaml", only))["runs"]] == ["pooled"]
+    # every run of the merged file is validated like a file of its own
+    bad = {"extends": "../two-sites.yaml", "base": {"strategy": "fedavgg"}}
+    with pytest.raises(ExperimentFileError, match="run-config 'strategy' = 'fedavgg'"):
+        load_plan(write_yaml(tmp_path / "sub" / "bad.yaml", {**bad, "runs": [{"name": "a"}]}))
+
+
+def test_a_bad_extends_names_the_file(tmp_path):
+    with pytest.raises(ExperimentFileError, match=r"missing\.yaml does not exist"):
+        load_plan(write_yaml(tmp_path / "a.yaml", {"extends": "missing.yaml", "runs": [{"name": "a"}]}))
+    write_yaml(tmp_path / "x.yaml", {"extends": "y.yaml"})
+    write_yaml(tmp_path / "y.yaml", {"extends": "x.yaml", "runs": [{"name": "a"}]})
+    with pytest.raises(ExperimentFileError, match="'extends' loops back"):
+        load_plan(tmp_path / "x.yaml")
+    with pytest.raises(ExperimentFileError, match="'extends' names one experiment file, got"):
+        load_plan(write_yaml(tmp_path / "b.yaml", {"extends": ["x.yaml"], "runs": [{"name": "a"}]}))
+    with pytest.raises(ExperimentFileError, match="'base' maps run-config keys"):
+        load_plan(write_yaml(tmp_path / "c.yaml", {"base": ["lr", 1], "runs": [{"name": "a"}]}))
+    (tmp_path / "d.yaml").write_text("- just\n- a list\n")
+    with pytest.raises(ExperimentFileError, match="needs a mapping of entries"):
+        load_plan(tmp_path / "d.yaml")
+
+
 def test_seeds_runs_a_subset_and_compare_only_joins_them_with_earlier_seeds(tmp_path):
     plan = {
         "name": "more",
