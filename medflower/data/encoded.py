@@ -2,8 +2,9 @@
 
 When nothing inside the encoder trains (``adapter='none'``: only the head or the segmentation decoder trains), the
 encoder's output for an image never changes during a run, so training and evaluation need only the task module:
-``encoded(dataset, encode, ...)`` runs ``encode`` over a split once, batch by batch, and gives a dataset of
-``(encoder output, target)`` items. A round then costs what trains (docs/models.md#frozen-encoder-mode).
+``encoded(dataset, encode, ...)`` runs ``encode`` over a split once, batch by batch (each batch stored as it is
+made), and gives a dataset of ``(encoder output, target)`` items. A round then costs what trains
+(docs/models.md#frozen-encoder-mode).
 
 With a ``cache_dir`` each image's output is one file, ``encoded-<encoder>/<image>.npy`` (float16, written to a
 temporary file renamed into place, as the decode cache writes, ``cache.ArraySet``), named by content:
@@ -27,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 2  # bump when the layout of the stored outputs changes (1: one file per site)
 DTYPE = np.float16
+PROGRESS_SECONDS = 60.0  # a long encode logs how far it is at most this often
 
 
 def module_digest(module: torch.nn.Module) -> str:
@@ -185,17 +187,32 @@ def _stored_outputs(
     for i in missing:
         first.setdefault(outputs.keys[i], i)
     rows = sorted(first.values())
-    found = f" ({len(whole) - len(missing)} of the {len(whole)} found in {folder})"
-    fresh = _encode_logged(_Rows(whole, rows), encode, batch_size, device, what, found) if rows else []
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for row, output in zip(rows, fresh):
-            write_atomic(outputs.path(row), output)
-        index.store({"encoded-index": np.array(outputs.keys, dtype="S")})
-    except OSError as exc:
-        logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, exc)
-        by_key = {outputs.keys[row]: output for row, output in zip(rows, fresh)}
-        return np.stack([by_key[key] if key in by_key else outputs[i] for i, key in enumerate(outputs.keys)])
+    unstored: dict[str, np.ndarray] = {}  # outputs whose file could not be written, kept in memory instead
+    problem: list[OSError] = []
+
+    def keep(first_row: int, batch: np.ndarray) -> None:
+        """Store a batch's outputs as soon as they exist, so an interrupted encode loses at most one batch."""
+        for row, output in zip(rows[first_row : first_row + len(batch)], batch):
+            if not problem:
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    write_atomic(outputs.path(row), output)
+                    continue
+                except OSError as exc:
+                    problem.append(exc)
+            unstored[outputs.keys[row]] = output
+
+    if rows:
+        found = f" ({len(whole) - len(missing)} of the {len(whole)} found in {folder})"
+        _encode_logged(_Rows(whole, rows), encode, batch_size, device, what, found, keep)
+    if not problem:
+        try:
+            index.store({"encoded-index": np.array(outputs.keys, dtype="S")})
+        except OSError as exc:
+            problem.append(exc)
+    if problem:
+        logger.warning("%s: encoder outputs not cached (%s); kept in memory", cache_dir, problem[0])
+        return np.stack([unstored[key] if key in unstored else outputs[i] for i, key in enumerate(outputs.keys)])
     return outputs
 
 
@@ -213,33 +230,62 @@ class _Rows(Dataset):
 
 
 def _encode_logged(
-    dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device, what: str, found: str
+    dataset: Dataset,
+    encode: Callable[[torch.Tensor], torch.Tensor],
+    batch_size: int,
+    device,
+    what: str,
+    found: str,
+    keep: Callable[[int, np.ndarray], None] | None = None,
 ) -> np.ndarray:
-    """``run_encoder`` over ``dataset``, its time in the log."""
-    start = time.perf_counter()
-    outputs = run_encoder(dataset, encode, batch_size, device)
+    """``encode`` over ``dataset`` batch by batch: how far it is in the log at most every ``PROGRESS_SECONDS`` (an
+    hour of encoding a large site is not silent), its total time at the end. ``keep(first row, outputs)`` takes each
+    batch as it is made (then nothing is returned); without it the outputs are returned, in order."""
+    named = f" of {what}" if what else ""
+    start = last = time.perf_counter()
+    chunks, done = [], 0
+    for first_row, batch in encode_batches(dataset, encode, batch_size, device):
+        if keep is None:
+            chunks.append(batch)
+        else:
+            keep(first_row, batch)
+        done += len(batch)
+        now = time.perf_counter()
+        if now - last >= PROGRESS_SECONDS and done < len(dataset):
+            each = (now - start) / done
+            logger.info(
+                "frozen-encoder mode: %d of %d images%s encoded (%.2f s each, about %.0f min left)",
+                done, len(dataset), named, each, each * (len(dataset) - done) / 60,
+            )  # fmt: skip
+            last = now
     seconds = time.perf_counter() - start
     logger.info(
         "frozen-encoder mode: encoded %d images%s in %.1f s (%.2f s each)%s",
-        len(dataset), f" of {what}" if what else "", seconds, seconds / max(len(dataset), 1), found,
+        len(dataset), named, seconds, seconds / max(len(dataset), 1), found,
     )  # fmt: skip
-    return outputs
+    return np.concatenate(chunks) if chunks else np.zeros((0,), DTYPE)
 
 
-@torch.no_grad()
+def encode_batches(
+    dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device: torch.device
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, float16 encoder outputs) of each batch of ``dataset``, in order (no augmentation, fp32 compute)."""
+    from .transforms import image_batch, normalise, target_img_size
+
+    size = target_img_size(dataset)
+    for start in range(0, len(dataset), batch_size):
+        images = [dataset[i][0] for i in range(start, min(start + batch_size, len(dataset)))]
+        x = normalise(image_batch(images, size)).to(device)
+        with torch.no_grad():  # per batch: grad mode is not left off in the caller between batches
+            out = encode(x).float().cpu().numpy().astype(DTYPE)
+        yield start, out
+
+
 def run_encoder(
     dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device: torch.device
 ) -> np.ndarray:
     """float16 encoder outputs of every image of ``dataset``, in order (no augmentation, fp32 compute)."""
-    from .transforms import image_batch, normalise, target_img_size
-
-    size = target_img_size(dataset)
-    chunks = []
-    for start in range(0, len(dataset), batch_size):
-        images = [dataset[i][0] for i in range(start, min(start + batch_size, len(dataset)))]
-        x = normalise(image_batch(images, size)).to(device)
-        chunks.append(encode(x).float().cpu().numpy().astype(DTYPE))
-    return np.concatenate(chunks)
+    return np.concatenate([batch for _, batch in encode_batches(dataset, encode, batch_size, device)])
 
 
 class SplitView(Dataset):

@@ -3,6 +3,7 @@ same loader, SAM's mask decoder as the head with whole-image and box prompts, ad
 backbone's input normalisation, and the frozen-encoder mode's cache (data/encoded.py)."""
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -352,6 +353,39 @@ def test_an_image_is_encoded_once_whichever_split_site_or_copy_holds_it(tiny_fil
     assert calls == [6, 2]
 
 
+def test_an_interrupted_encode_keeps_every_finished_batch_and_logs_how_far_it_is(
+    tiny_file, tmp_path, monkeypatch, caplog
+):
+    """Each batch's outputs are on disk as soon as they exist: an encode stopped in its third batch (a crash, a
+    killed process) loses that batch only, and the next run encodes what is left. A long encode says how far it is."""
+    from medflower.data import encoded as encoded_module
+
+    model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
+    identity = ("PromptedSegmenter", module_digest(model.backbone), model.input_norm_name, 32)
+    kwargs = {"identity": identity, "cache_dir": str(tmp_path), "batch_size": 2, "device": torch.device("cpu")}
+    calls = []
+
+    def dies_in_the_third_batch(x):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(len(x))
+        return model.encode(x)
+
+    with pytest.raises(KeyboardInterrupt):
+        encoded(Split(7), dies_in_the_third_batch, **kwargs)
+    assert len(list(tmp_path.glob("encoded-*/*.npy"))) == 4 and not list(tmp_path.rglob("*.tmp"))
+    assert torch.is_grad_enabled()  # the encoder's no_grad ends with its batch, whatever stops the encode
+    monkeypatch.setattr(encoded_module, "PROGRESS_SECONDS", 0.0)
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger=encoded_module.__name__):
+        out = encoded(Split(7), counting(model, calls), **kwargs)
+    assert calls == [2, 1]  # the three images the first encode did not finish
+    assert "2 of 3 images encoded" in caplog.text and "(4 of the 7 found in" in caplog.text
+    with torch.no_grad():
+        direct = model.encode(images_to_tensor(list(Split(7).images), 32)).numpy()
+    assert np.allclose(np.asarray(out.outputs), direct, atol=2e-3)
+
+
 def test_a_cache_folder_that_cannot_be_written_keeps_the_outputs_in_memory(tiny_file, tmp_path, caplog):
     model = tiny_model(tiny_file, adapter="none", encoded_inputs=True).eval()
     identity = ("PromptedSegmenter", module_digest(model.backbone), model.input_norm_name, 32)
@@ -553,8 +587,8 @@ def test_another_seeds_partition_or_a_fresh_copy_of_the_data_encodes_nothing_aga
         encode.prepare({**run_config, **extra}, 2, cache_dir=str(tmp_path / "cache"), data_roots=str(tmp_path))
 
     encoded_rows = []
-    real = encoded_module.run_encoder
-    monkeypatch.setattr(encoded_module, "run_encoder", lambda d, *a: encoded_rows.append(len(d)) or real(d, *a))
+    real = encoded_module.encode_batches
+    monkeypatch.setattr(encoded_module, "encode_batches", lambda d, *a: encoded_rows.append(len(d)) or real(d, *a))
     prepare()
     assert sum(encoded_rows) == 16
     prepare(seed=1)
@@ -578,7 +612,7 @@ def test_a_sites_joining_query_does_not_wait_for_its_encoder_outputs(tiny_file, 
     from medflower.strategies.fedavg import FedAvgClient
 
     calls = []
-    monkeypatch.setattr(encoded_module, "run_encoder", lambda *a, **k: calls.append(a) or None)
+    monkeypatch.setattr(encoded_module, "encode_batches", lambda *a, **k: calls.append(a) or iter(()))
     runtime = site_runtime(
         tmp_path,
         "fedavg",
