@@ -383,7 +383,7 @@ def check_experiment_file(path: Path) -> None:
         plan = read_file(path)  # with the file its ``extends`` names merged in
     except ExperimentFileError as err:
         raise AssertionError(str(err)) from err
-    assert isinstance(plan, dict) and isinstance(plan.get("runs"), list) and plan["runs"], f"{path}: no 'runs' list"
+    assert isinstance(plan.get("runs"), list) and plan["runs"], f"{path}: no 'runs' list"
     names = [run.get("name") for run in plan["runs"]]
     assert all(names) and len(set(names)) == len(names), f"{path}: run names missing or repeated: {names}"
     if plan.get("reference") is not None:

@@ -189,13 +189,16 @@ def _stored_outputs(
     rows = sorted(first.values())
     unstored: dict[str, np.ndarray] = {}  # outputs whose file could not be written, kept in memory instead
     problem: list[OSError] = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem.append(exc)
 
     def keep(first_row: int, batch: np.ndarray) -> None:
         """Store a batch's outputs as soon as they exist, so an interrupted encode loses at most one batch."""
         for row, output in zip(rows[first_row : first_row + len(batch)], batch):
             if not problem:
                 try:
-                    folder.mkdir(parents=True, exist_ok=True)
                     write_atomic(outputs.path(row), output)
                     continue
                 except OSError as exc:
@@ -237,7 +240,7 @@ def _encode_logged(
     what: str,
     found: str,
     keep: Callable[[int, np.ndarray], None] | None = None,
-) -> np.ndarray:
+) -> np.ndarray | None:
     """``encode`` over ``dataset`` batch by batch: how far it is in the log at most every ``PROGRESS_SECONDS`` (an
     hour of encoding a large site is not silent), its total time at the end. ``keep(first row, outputs)`` takes each
     batch as it is made (then nothing is returned); without it the outputs are returned, in order."""
@@ -263,6 +266,8 @@ def _encode_logged(
         "frozen-encoder mode: encoded %d images%s in %.1f s (%.2f s each)%s",
         len(dataset), named, seconds, seconds / max(len(dataset), 1), found,
     )  # fmt: skip
+    if keep is not None:
+        return None
     return np.concatenate(chunks) if chunks else np.zeros((0,), DTYPE)
 
 
@@ -279,13 +284,6 @@ def encode_batches(
         with torch.no_grad():  # per batch: grad mode is not left off in the caller between batches
             out = encode(x).float().cpu().numpy().astype(DTYPE)
         yield start, out
-
-
-def run_encoder(
-    dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], batch_size: int, device: torch.device
-) -> np.ndarray:
-    """float16 encoder outputs of every image of ``dataset``, in order (no augmentation, fp32 compute)."""
-    return np.concatenate([batch for _, batch in encode_batches(dataset, encode, batch_size, device)])
 
 
 class SplitView(Dataset):
