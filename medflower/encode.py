@@ -27,6 +27,9 @@ from flwr.app import Context, RecordDict
 from flwr.common.config import parse_config_args
 
 from .config import ConfigError, ExperimentConfig, defaults
+from .data import DataError
+from .models import ModelError
+from .training import DeviceError
 
 
 def prepare(
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             args.data_roots,
         )
-    except ConfigError as err:
+    except (ConfigError, DataError, ModelError, DeviceError) as err:  # the user's config, data, weights or device
         parser.exit(2, f"error: {err}\n")
     for s in summaries:
         print(

@@ -562,6 +562,28 @@ def test_a_sites_splits_and_seeds_share_one_cache_built_ahead_by_the_encode_comm
         encode.prepare({**run_config, "adapter": "lora"}, 2, cache_dir=str(cache), data_roots=str(tmp_path))
 
 
+def test_the_encode_command_answers_a_sites_bad_config_or_data_in_one_line(tiny_file, tmp_path, capsys):
+    """A hospital encoding its own folder (--data-path) gets the data layer's message and exit status 2, not a
+    traceback: here the simulation's run config, which never says how many classes the run has (its dataset does),
+    names no num-classes, which a site reading only its own folder needs."""
+    from medflower import encode
+    from medflower.data.synthetic_seg import write_segfolder
+
+    root = write_segfolder(tmp_path / "fed", {"a": 0}, per_site=4, size=32, seed=0)
+    weights = shutil.copy(tiny_file, tmp_path / "lite.pth")
+    model = f"backbone='litemedsam' backbone-weights='{weights}' img-size=32 adapter='none'"
+    run_config = f"dataset='segfolder:{root}' partition='natural' {model}"  # the simulation's config, as it was
+    argv = ["--run-config", run_config, "--data-path", str(root / "a"), "--cache-dir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as exit_:
+        encode.main([*argv, "--data-roots", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "num-classes" in err and "Traceback" not in err
+    with pytest.raises(SystemExit, match="2"):
+        encode.main([*argv, "--data-roots", str(tmp_path / "elsewhere")])  # the data outside the site's roots
+    assert "error: " in capsys.readouterr().err
+
+
 def test_another_seeds_partition_or_a_fresh_copy_of_the_data_encodes_nothing_again(tiny_file, tmp_path, monkeypatch):
     """An iid partition moves rows between sites with the seed, and a copied folder gets new file dates: both change
     the decode cache's key, but every image's output is found by its pixels, so nothing is encoded again; an image
