@@ -58,6 +58,17 @@ MIXED_TASKS = {
 }
 
 # The class-incremental strategies' small setting: 2 tasks of 2 classes, 2 rounds each, QBLI sites.
+# The run of the tests that start real Flower processes (flower-superlink, flower-supernode, flwr run): small enough
+# that their time is the processes' start and the rounds' messages, not training.
+REAL_PROCESSES = {
+    "synthetic-size": 240,
+    "img-size": 16,
+    "patch-size": 8,
+    "backbone-weights": "none",
+    "batch-size": 32,
+    "partition": "iid",
+}
+
 INCREMENTAL = {
     "num-tasks": 2,
     "classes-per-task": 2,

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REAL_PROCESSES
 
 from medflower.loopback import APP_DIR, LoopbackFederation, find_nginx, run_config_arg
 
@@ -30,14 +31,7 @@ if shutil.which("flower-superlink") is None:  # pragma: no cover
 if find_nginx() is None:  # pragma: no cover
     pytest.skip("nginx is not installed (CI installs Debian's nginx in .ci/run)", allow_module_level=True)
 
-SMALL = {
-    "synthetic-size": 160,
-    "img-size": 16,
-    "patch-size": 8,
-    "backbone-weights": "none",
-    "batch-size": 32,
-    "partition": "iid",
-}
+SMALL = {**REAL_PROCESSES, "synthetic-size": 160}
 
 
 def flower_routes() -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REAL_PROCESSES
 
 from medflower.contract import Checkpointer
 from medflower.inprocess import run_inprocess
@@ -24,15 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 if shutil.which("flower-superlink") is None:  # pragma: no cover
     pytest.skip("flwr CLI not installed", allow_module_level=True)
-
-SMALL = {
-    "synthetic-size": 240,
-    "img-size": 16,
-    "patch-size": 8,
-    "backbone-weights": "none",
-    "batch-size": 32,
-    "partition": "iid",
-}
 
 
 def make_keys(folder: Path, sites: list[str]) -> Path:
@@ -72,7 +64,9 @@ def test_tls_and_supernode_auth_refuse_an_unregistered_key(tmp_path):
     out = tmp_path / "outputs"
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed", tls_dir=certs, auth_keys=keys) as fed:
         fed.start_supernode(2, key=certs / "supernodes" / "intruder.key", name="intruder")
-        proc = fed.run_app({**SMALL, "num-rounds": 2, "min-nodes": 3, "output-dir": str(out), "run-name": "tls"})
+        proc = fed.run_app(
+            {**REAL_PROCESSES, "num-rounds": 2, "min-nodes": 3, "output-dir": str(out), "run-name": "tls"}
+        )
         summary = json.loads((out / "tls" / "summary.json").read_text())
         intruder_log = (fed.workdir / "intruder.log").read_text()
         assert "round 2/2 done" in proc.stdout  # progress streamed by `flwr run --stream`
@@ -107,7 +101,7 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
         fed.start_run(
             {
-                **SMALL,
+                **REAL_PROCESSES,
                 "num-rounds": 4,
                 "min-nodes": 3,
                 # how soon rounds 2 and 3 go on without the killed site; a live site's training message took over
@@ -148,7 +142,7 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
 
 def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     out = tmp_path / "outputs"
-    config = {**SMALL, "num-rounds": 2, "min-nodes": 2, "output-dir": str(out)}
+    config = {**REAL_PROCESSES, "num-rounds": 2, "min-nodes": 2, "output-dir": str(out)}
     # The uninterrupted reference runs the same ServerApp/ClientApp code in process (bit-identical to
     # a deployment, and two minutes cheaper than a third deployed run).
     run_inprocess({**config, "run-name": "reference"}, num_nodes=2)
@@ -184,7 +178,7 @@ def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_pa
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
         fed.start_run(
             {
-                **SMALL,
+                **REAL_PROCESSES,
                 "num-rounds": 2,
                 "min-nodes": 3,
                 # each SecAgg+ stage starts a ClientApp process per site (~6 s of imports each, 3 at once on 2

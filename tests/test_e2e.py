@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import REAL_PROCESSES
 
 from medflower.loopback import LoopbackFederation
 
@@ -12,15 +13,6 @@ pytestmark = pytest.mark.e2e
 
 if shutil.which("flower-superlink") is None:  # pragma: no cover
     pytest.skip("flwr CLI not installed", allow_module_level=True)
-
-SMALL = {
-    "synthetic-size": 240,
-    "img-size": 16,
-    "patch-size": 8,
-    "backbone-weights": "none",
-    "batch-size": 32,
-    "partition": "iid",
-}
 
 
 def test_flwr_run_simulation(tmp_path):
@@ -30,13 +22,22 @@ def test_flwr_run_simulation(tmp_path):
     out = tmp_path / "outputs"
     np.save(tmp_path / "classes.npy", np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32))
     with LoopbackFederation(num_supernodes=3, simulation=True, workdir=tmp_path / "fed") as fed:
-        proc = fed.run_app({**SMALL, "strategy": "sgca", "num-rounds": 2, "output-dir": str(out), "run-name": "sim"})
+        proc = fed.run_app(
+            {**REAL_PROCESSES, "strategy": "sgca", "num-rounds": 2, "output-dir": str(out), "run-name": "sim"}
+        )
         fedkei = fed.run_app(
-            {**SMALL, "strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "output-dir": str(out), "run-name": "kei"}
+            {
+                **REAL_PROCESSES,
+                "strategy": "fedkei",
+                "num-tasks": 2,
+                "task-epochs": 1,
+                "output-dir": str(out),
+                "run-name": "kei",
+            }
         )
         sift = fed.run_app(
             {
-                **SMALL,
+                **REAL_PROCESSES,
                 "strategy": "sift",
                 "num-rounds": 1,
                 "class-embeddings": str(tmp_path / "classes.npy"),
