@@ -57,7 +57,6 @@ MIXED_TASKS = {
     "synthetic-size": 160,
 }
 
-# The class-incremental strategies' small setting: 2 tasks of 2 classes, 2 rounds each, QBLI sites.
 # The run of the tests that start real Flower processes (flower-superlink, flower-supernode, flwr run): small enough
 # that their time is the processes' start and the rounds' messages, not training.
 REAL_PROCESSES = {
@@ -69,6 +68,7 @@ REAL_PROCESSES = {
     "partition": "iid",
 }
 
+# The class-incremental strategies' small setting: 2 tasks of 2 classes, 2 rounds each, QBLI sites.
 INCREMENTAL = {
     "num-tasks": 2,
     "classes-per-task": 2,
