@@ -338,10 +338,32 @@ def privacy_epsilons(summary: dict[str, Any]) -> dict[str, float]:
     return found
 
 
+def seed_problem(summary: dict[str, Any]) -> str | None:
+    """Why one (run, seed) is not the experiment its file describes, or None when it is.
+
+    The server goes on without a site whose reply failed or was rejected (docs/strategy-contract.md), and a run's
+    final metrics are each site's last evaluation: after such a failure, a site's training is missing from some
+    round, its final value can come from an earlier round, or the site is missing from the mean altogether. Such
+    a seed would mix a different experiment into the mean ± std, so ``compare`` leaves it out and names it.
+    """
+    communication = summary.get("communication") or {}
+    failed, rejected = communication.get("failed_replies", 0), communication.get("rejected_replies", 0)
+    if failed or rejected:
+        return f"{failed} failed and {rejected} rejected site replies"
+    rounds = {client: values.get("round") for client, values in (summary.get("per_client") or {}).items()}
+    last = max((r for r in rounds.values() if isinstance(r, int)), default=None)
+    stale = sorted(client for client, r in rounds.items() if isinstance(r, int) and r != last)
+    if stale:
+        return f"the last evaluation of {', '.join(stale)} is older than round {last}"
+    return None
+
+
 def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Mean ± std over seeds of each run's final metrics, plus communication per round."""
+    """Mean ± std over seeds of each run's final metrics, plus communication per round; seeds with a failed or
+    rejected site reply or a site's stale final evaluation (``seed_problem``) are left out and listed."""
     table: dict[str, Any] = {}
     per_client: dict[str, Any] = {}
+    left_out: dict[str, dict[int, str]] = {}
     for run in plan["runs"]:
         finals: dict[str, list[float]] = defaultdict(list)
         clients: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -351,6 +373,9 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             if not summary_path.is_file():
                 raise FileNotFoundError(f"run {run['name']!r} seed {seed} left no {summary_path}")
             summary = json.loads(summary_path.read_text())
+            if problem := seed_problem(summary):
+                left_out.setdefault(run["name"], {})[seed] = problem
+                continue
             for metric in plan["metrics"]:
                 finals[metric].append(summary["final"].get(metric))
                 for client, values in summary["per_client"].items():
@@ -365,6 +390,9 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             finals["bytes_per_round"].append(
                 (summary["communication"]["bytes_up"] + summary["communication"]["bytes_down"]) / rounds
             )
+        if not finals:  # every seed left out
+            targets = [f"rounds_to_{t}" for t in plan["targets"]["values"]] if plan.get("targets") else []
+            finals = {m: [] for m in [*plan["metrics"], *targets, "bytes_per_round"]}
         table[run["name"]] = {m: dict(zip(("mean", "std"), _mean_std(v)), values=v) for m, v in finals.items()}
         per_client[run["name"]] = {m: {c: _mean_std(v)[0] for c, v in sorted(by.items())} for m, by in clients.items()}
     result = {
@@ -373,6 +401,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "num-supernodes": plan["num-supernodes"],
         "table": table,
         "per_client": per_client,
+        "left_out": left_out,
     }
     mixing = {run["name"]: final_mixing(plan, out_dir, run) for run in plan["runs"]}
     if mixing := {name: w for name, w in mixing.items() if w is not None}:
@@ -383,7 +412,10 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             name: {m: delta_m(by, reference.get(m, {})) for m, by in row.items()} for name, row in per_client.items()
         }
     (out_dir / "comparison.json").write_text(json.dumps(result, indent=1))
-    markdown = comparison_markdown(plan, table)
+    markdown = comparison_markdown(plan, table) + left_out_markdown(left_out)
+    for name, seeds in left_out.items():
+        for seed, why in seeds.items():
+            print(f"warning: {name} seed {seed} is left out of the comparison: {why}", file=sys.stderr)
     if plan.get("per-client"):
         markdown += per_client_markdown(plan, per_client, result.get("delta_m"))
     if mixing:
@@ -393,7 +425,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             f"\nEach run's final metrics per site, mean over seeds {plan['seeds']}:\n\n![per site]({PER_SITE})\n"
         )
     (out_dir / "comparison.md").write_text(markdown)
-    plot_overlay(plan, out_dir)
+    plot_overlay(plan, out_dir, left_out)
     return result
 
 
@@ -479,6 +511,8 @@ def rounds_to_targets(plan: dict[str, Any], records: list[dict[str, Any]]) -> di
 def _rounds_cell(values: list[int | None]) -> str:
     """Mean rounds over the seeds that reached the target, and how many did when not all."""
     reached = [v for v in values if v is not None]
+    if not values:  # every seed left out
+        return "–"
     if not reached:
         return "not reached"
     text = f"{statistics.fmean(reached):.1f}"
@@ -512,12 +546,29 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
         cells = []
         for metric in metrics:
             m, s = row[metric]["mean"], row[metric]["std"]
-            cells.append("–" if m is None else f"{m:.3f} ± {s:.3f}")
+            n = sum(isinstance(v, (int, float)) and math.isfinite(v) for v in row[metric]["values"])
+            if m is None:
+                cells.append("–")
+            elif n < len(seeds):  # seeds left out (or a metric undefined in some): say how many are in the mean
+                cells.append(
+                    f"{m:.3f} ({n}/{len(seeds)} seeds)" if n == 1 else f"{m:.3f} ± {s:.3f} ({n}/{len(seeds)} seeds)"
+                )
+            else:
+                cells.append(f"{m:.3f} ± {s:.3f}")
         cells += [_rounds_cell(row[f"rounds_to_{t}"]["values"]) for t in targets]
         cells += [_epsilon_cell(row.get(c), any(row.get(e) for e in epsilons)) for c in epsilons]
         mb = row["bytes_per_round"]["mean"]
         cells.append("–" if mb is None else f"{mb / 1e6:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def left_out_markdown(left_out: dict[str, dict[int, str]]) -> str:
+    """The seeds ``compare`` left out of every mean, each with its reason (empty when none was)."""
+    if not left_out:
+        return ""
+    lines = ["", "Left out of every mean and table above (rerun them with --only and --seeds):", ""]
+    lines += [f"- {name} seed {seed}: {why}" for name, seeds in left_out.items() for seed, why in seeds.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -595,9 +646,10 @@ def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
     plt.close(fig)
 
 
-def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
-    """Mean-over-clients (or pooled) test metric per round, averaged over seeds, one line per run (continual runs:
-    the per-epoch AUC curves instead)."""
+def plot_overlay(plan: dict[str, Any], out_dir: Path, left_out: dict[str, dict[int, str]] | None = None) -> None:
+    """Mean-over-clients (or pooled) test metric per round, averaged over seeds (but those ``left_out``), one line
+    per run (continual runs: the per-epoch AUC curves instead)."""
+    left_out = left_out or {}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -619,6 +671,8 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path) -> None:
         for ax, metric in zip(axes[0], metrics):
             per_round: dict[int, list[float]] = defaultdict(list)
             for seed in plan["seeds"]:
+                if seed in left_out.get(run["name"], {}):
+                    continue
                 for rnd, value in round_values(run_records(plan, out_dir, run, seed), metric).items():
                     per_round[rnd].append(value)
             if per_round:

@@ -345,3 +345,56 @@ def test_runs_with_dp_get_an_epsilon_column_and_runs_without_read_infinity():
     # a plan without DP keeps its table as it was
     plain = comparison_markdown({"metrics": ["dice"], "seeds": [0], "num-supernodes": 2}, {"none": table["none"]})
     assert "ε" not in plain
+
+
+def _seed_folder(out, name, seed, dice, *, failed=0, rounds=None):
+    """A run folder as a finished run leaves it: summary.json (each site's last evaluation) and metrics.jsonl."""
+    rounds = rounds or {"a": 2, "b": 2}
+    folder = out / f"{name}-seed{seed}"
+    folder.mkdir(parents=True)
+    per_client = {site: {"round": rnd, "dice": value} for (site, rnd), value in zip(rounds.items(), dice)}
+    summary = {
+        "rounds": 2,
+        "final": {"dice": sum(dice) / len(dice)},
+        "per_client": per_client,
+        "communication": {"bytes_up": 10, "bytes_down": 10, "failed_replies": failed, "rejected_replies": 0},
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+    records = [
+        {"kind": "eval", "round": r, "client": site, "dice": v}
+        for site, (r, v) in zip(rounds, zip(rounds.values(), dice))
+    ]
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_a_seed_where_a_site_failed_or_evaluated_early_is_left_out_of_the_means_and_named(tmp_path, capsys):
+    from medflower.experiments import compare
+
+    plan = {"name": "x", "num-supernodes": 2, "seeds": [0, 1], "metrics": ["dice"], "per-client": True}
+    plan["runs"] = [{"name": "good"}, {"name": "failed"}, {"name": "stale"}, {"name": "lost"}]
+    _seed_folder(tmp_path, "good", 0, [0.6, 0.8])
+    _seed_folder(tmp_path, "good", 1, [0.4, 0.6])
+    _seed_folder(tmp_path, "failed", 0, [0.5, 0.7])
+    _seed_folder(tmp_path, "failed", 1, [0.9], failed=2, rounds={"b": 2})  # site a never answered its evaluations
+    _seed_folder(tmp_path, "stale", 0, [0.3, 0.5])
+    _seed_folder(tmp_path, "stale", 1, [0.9, 0.9], rounds={"a": 1, "b": 2})  # a's value is from round 1
+    _seed_folder(tmp_path, "lost", 0, [0.1, 0.1], failed=4)
+    _seed_folder(tmp_path, "lost", 1, [0.1, 0.1], failed=4)
+    result = compare(plan, tmp_path)
+    table = result["table"]
+    assert table["good"]["dice"]["mean"] == pytest.approx(0.6) and len(table["good"]["dice"]["values"]) == 2
+    assert table["failed"]["dice"]["values"] == [pytest.approx(0.6)]  # seed 1's 0.9 from one site is not in it
+    assert result["per_client"]["failed"]["dice"] == {"a": pytest.approx(0.5), "b": pytest.approx(0.7)}
+    assert table["stale"]["dice"]["values"] == [pytest.approx(0.4)]
+    assert table["lost"]["dice"]["mean"] is None
+    assert result["left_out"] == {
+        "failed": {1: "2 failed and 0 rejected site replies"},
+        "stale": {1: "the last evaluation of a is older than round 2"},
+        "lost": {0: "4 failed and 0 rejected site replies", 1: "4 failed and 0 rejected site replies"},
+    }
+    markdown = (tmp_path / "comparison.md").read_text()
+    assert "| good | 0.600 ± 0.141 | 0.000 |" in markdown
+    assert "| failed | 0.600 (1/2 seeds) | 0.000 |" in markdown
+    assert "| lost | – | – |" in markdown
+    assert "- stale seed 1: the last evaluation of a is older than round 2" in markdown
+    assert "warning: failed seed 1 is left out of the comparison: 2 failed" in capsys.readouterr().err
