@@ -94,8 +94,19 @@ def few_steps_message(n: int, steps: float, batch_size: int | None = None) -> st
     text = f"{n} training samples give {steps:g} optimizer step(s) per epoch{at}; "
     if n < FEW_STEPS:
         return text + f"even batch-size 1 gives only {n} (more local-epochs train it longer)"
-    best = max(b for b in range(1, n + 1) if loader_steps(n, b) >= FEW_STEPS)
-    return text + f"batch-size {best} or less gives {loader_steps(n, best)} or more"
+    return text + f"batch-size {(best := largest_batch(n))} or less gives {loader_steps(n, best)} or more"
+
+
+def largest_batch(n: int, steps: int = FEW_STEPS) -> int:
+    """The largest batch size whose loader takes at least ``steps`` (>= 2) steps per epoch over ``n`` >= ``steps``
+    samples. No larger one can: a batch b >= n / (steps - 1) gives at most steps - 1. Below that bound the count
+    only falls short where the loader drops a last batch of one sample, so the search steps down at most a few
+    times. ``n`` comes from a site's reply and may be any size (a hostile site declared 10^9): a search over every
+    batch size from 1 to n would hold the server for minutes or years."""
+    best = (n - 1) // (steps - 1)
+    while loader_steps(n, best) < steps:
+        best -= 1
+    return best
 
 
 class RunRecorder:

@@ -5,6 +5,7 @@ gives fewer than a handful of optimizer steps per epoch is told once."""
 import json
 import logging
 import math
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -82,6 +83,21 @@ def test_enough_steps_say_nothing_and_a_tiny_site_is_told_what_batch_size_cannot
     )
     assert loader_steps(17, 4) == 4  # not 5: the training loader drops a last batch of one sample
     assert few_steps_message(3, 1, 32).endswith("even batch-size 1 gives only 3 (more local-epochs train it longer)")
+
+
+def test_the_suggested_batch_size_is_the_largest_that_gives_enough_steps_even_for_a_declared_billion():
+    for n in range(FEW_STEPS, 1500):
+        brute = max(b for b in range(1, n + 1) if loader_steps(n, b) >= FEW_STEPS)
+        assert few_steps_message(n, 1, 2 * n).endswith(
+            f"batch-size {brute} or less gives {loader_steps(n, brute)} or more"
+        )
+    # The server says this of every site's training reply, whose num-examples a hostile site chooses. The search
+    # once tried every batch size up to n: 10^9 held a run for minutes, 10^15 would hold it for years.
+    found = []
+    worker = threading.Thread(target=lambda: found.append(few_steps_message(10**15, 1, 32)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert found and found[0].endswith("batch-size 249999999999999 or less gives 5 or more")
 
 
 def test_an_honest_site_leaves_an_undefined_metric_out_and_a_hostile_nan_is_still_rejected():
