@@ -617,8 +617,9 @@ def run_records(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: 
     ]
 
 
-def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
-    """Continual runs: test AUC after every epoch, task after task, mean over sites and seeds, one line per run."""
+def plot_task_overlay(plan: dict[str, Any], out_dir: Path, left_out: dict[str, dict[int, str]]) -> None:
+    """Continual runs: test AUC after every epoch, task after task, mean over sites and seeds (but those
+    ``left_out``), one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -629,6 +630,8 @@ def plot_task_overlay(plan: dict[str, Any], out_dir: Path) -> None:
     for run in plan["runs"]:
         curves: dict[int, list[list[float]]] = defaultdict(list)  # task -> curves of every site and seed
         for seed in plan["seeds"]:
+            if seed in left_out.get(run["name"], {}):
+                continue
             for r in run_records(plan, out_dir, run, seed):
                 if isinstance(r.get("auc_curve"), list):
                     curves[int(r.get("task", r["round"]))].append(r["auc_curve"])
@@ -657,7 +660,7 @@ def plot_overlay(plan: dict[str, Any], out_dir: Path, left_out: dict[str, dict[i
 
     first = run_records(plan, out_dir, plan["runs"][0], plan["seeds"][0])
     if any("auc_curve" in r for r in first):
-        plot_task_overlay(plan, out_dir)
+        plot_task_overlay(plan, out_dir, left_out)
         return
     # Summary-only columns (class-incremental `last`/`avg`) have no per-round values: plot the per-round
     # accuracy they are made of instead.

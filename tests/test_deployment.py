@@ -159,8 +159,16 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
     ref, _ = Checkpointer(out / "reference" / "checkpoint").load()
     got, meta = Checkpointer(out / "crashed" / "checkpoint").load()
     assert meta["completed_rounds"] == 2
-    for name in ref:
-        np.testing.assert_array_equal(ref[name], got[name])
+    # Seen once in CI, not reproduced since: one SuperNode never answered the resumed run's query (its 600-s wait
+    # ran out), so round 2 trained on one site. Should it happen again, the failure shows the rounds' server records
+    # and every process's log.
+    differ = [name for name in ref if not np.array_equal(ref[name], got[name])]
+    rounds = list(map(json.loads, (out / "crashed" / "metrics.jsonl").read_text().splitlines()))
+    assert not differ, (
+        f"{len(differ)} of {len(ref)} arrays differ from the uninterrupted run's; server records:\n"
+        + "\n".join(json.dumps(r) for r in rounds if r["kind"] == "server")
+        + f"\n{fed.logs(tail=150)}"
+    )
     # Every message went through a site worker (the default); each worker imported the site's app once, for the
     # message that started it: one per SuperNode and run (the resumed run is a new run).
     records = [json.loads(line) for line in profile.read_text().splitlines()]
