@@ -341,7 +341,7 @@ def privacy_epsilons(summary: dict[str, Any]) -> dict[str, float]:
 def seed_problem(summary: dict[str, Any]) -> str | None:
     """Why one (run, seed) is not the experiment its file describes, or None when it is.
 
-    The server goes on without a site whose reply failed or was rejected (docs/strategy-contract.md), and a run's
+    The server goes on without a site whose reply failed or was rejected (docs/reliability.md), and a run's
     final metrics are each site's last evaluation: after such a failure, a site's training is missing from some
     round, its final value can come from an earlier round, or the site is missing from the mean altogether. Such
     a seed would mix a different experiment into the mean ± std, so ``compare`` leaves it out and names it.
