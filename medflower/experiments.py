@@ -317,8 +317,12 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
             progress.close()
 
 
+def _finite(values: list[Any]) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    values = _finite(values)
     if not values:
         return None, None
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
@@ -546,7 +550,7 @@ def comparison_markdown(plan: dict[str, Any], table: dict[str, Any]) -> str:
         cells = []
         for metric in metrics:
             m, s = row[metric]["mean"], row[metric]["std"]
-            n = sum(isinstance(v, (int, float)) and math.isfinite(v) for v in row[metric]["values"])
+            n = len(_finite(row[metric]["values"]))
             if m is None:
                 cells.append("–")
             elif n < len(seeds):  # seeds left out (or a metric undefined in some): say how many are in the mean

@@ -360,10 +360,7 @@ def _seed_folder(out, name, seed, dice, *, failed=0, rounds=None):
         "communication": {"bytes_up": 10, "bytes_down": 10, "failed_replies": failed, "rejected_replies": 0},
     }
     (folder / "summary.json").write_text(json.dumps(summary))
-    records = [
-        {"kind": "eval", "round": r, "client": site, "dice": v}
-        for site, (r, v) in zip(rounds, zip(rounds.values(), dice))
-    ]
+    records = [{"kind": "eval", "client": site, **values} for site, values in per_client.items()]
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
 
 
