@@ -43,10 +43,14 @@ import contextlib
 import io
 import json
 import math
+import multiprocessing
+import os
 import shlex
 import statistics
 import sys
+import threading
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,7 @@ from .tracking import missing_package
 
 DEFAULT_METRICS = ("auc", "accuracy", "balanced_accuracy")
 PER_SITE = "per-site.png"  # the per-site table as heat maps
+LOGS = "logs"  # --parallel: each run's output, <out_dir>/logs/<run-name>.log
 
 
 class ExperimentFileError(ValueError):
@@ -266,9 +271,10 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
     return absolute_paths(config)
 
 
-def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
+def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1) -> None:
     """Every (run, seed) of the file, with torch's thread count pinned to the file's ``threads`` (results on the CPU
-    change with it: the order of floating-point sums does); config.json records it (``resolved.torch-threads``)."""
+    change with it: the order of floating-point sums does); config.json records it (``resolved.torch-threads``).
+    ``parallel`` > 1 (in process only): that many runs at a time, each in a fresh process (``run_parallel``)."""
     build_stand_ins(plan)
     jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
     n = int(plan["num-supernodes"])
@@ -281,13 +287,20 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
         ]
     )
     where = "in process" if engine == "inprocess" else f"flwr run, {n} simulated sites"
-    print(f"{len(jobs)} runs ({where}, {threads} torch thread(s) each)", flush=True)
+    at_once = f", {parallel} at a time, each run's log in {out_dir / LOGS}" if parallel > 1 else ""
+    print(f"{len(jobs)} runs ({where}, {threads} torch thread(s) each{at_once})", flush=True)
 
-    def finished(i: int) -> None:
+    def finished(i: int, failure: str = "") -> None:
         path = out_dir / configs[i]["run-name"] / run_folder.SUMMARY_JSON
-        summary = json.loads(path.read_text()) if path.is_file() else None
-        progress.finish(i, summary, list(plan["metrics"]))
+        summary = json.loads(path.read_text()) if path.is_file() and not failure else None
+        progress.finish(i, summary, list(plan["metrics"]), failure)
 
+    if engine == "inprocess" and parallel > 1:
+        try:
+            run_parallel(configs, n, threads, parallel, out_dir / LOGS, progress, finished)
+        finally:
+            progress.close()
+        return
     if engine == "inprocess":
         import torch
 
@@ -315,6 +328,92 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str) -> None:
                 finished(i)
         finally:
             progress.close()
+
+
+class RunsFailed(RuntimeError):
+    """Some runs of a ``--parallel`` file failed; the others finished. The message names each with its log."""
+
+
+def _run_in_child(config: dict[str, Any], num_nodes: int, threads: int, log_path: str) -> None:
+    """One run in a fresh process, everything it prints (Flower's log, a traceback) in ``log_path``."""
+    with open(log_path, "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    import torch
+
+    from .inprocess import run_inprocess
+
+    torch.set_num_threads(threads)
+    run_inprocess(config, num_nodes=num_nodes, record_sent=False)
+
+
+def run_parallel(
+    configs: list[dict[str, Any]],
+    num_nodes: int,
+    threads: int,
+    parallel: int,
+    logs: Path,
+    progress: Progress,
+    finished: Callable[[int, str], None],
+) -> None:
+    """Up to ``parallel`` runs at a time, each in a fresh (spawned) process with ``threads`` torch threads and its log
+    in ``logs/<run-name>.log``, started in the file's order. A fresh process per run: nothing carries over between
+    runs (the same as running them one by one, which a test checks bit for bit), and a run's memory, on a GPU its
+    CUDA context included, is returned when it ends. A run that fails is reported with its log and the others go on;
+    RunsFailed at the end names the failures. Ctrl-C stops the runs under way and starts no more.
+
+    The runs share the machine: on a CPU give each its thread(s) (``parallel`` × ``threads`` at most the cores), on a
+    GPU keep ``parallel`` × one run's peak memory below the card's (docs/experiments.md#several-runs-at-a-time)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that has threads (and maybe CUDA)
+    order = iter(range(len(configs)))
+    lock = threading.Lock()
+    stop = threading.Event()
+    failures: dict[int, str] = {}
+    children: dict[int, multiprocessing.process.BaseProcess] = {}
+
+    def next_run() -> int | None:
+        with lock:
+            return None if stop.is_set() else next(order, None)
+
+    def worker() -> None:
+        while (i := next_run()) is not None:
+            log = logs / f"{configs[i]['run-name']}.log"
+            log.write_bytes(b"")
+            child = spawn.Process(
+                target=_run_in_child, args=(configs[i], num_nodes, threads, str(log)), name=configs[i]["run-name"]
+            )
+            progress.start(i)
+            with lock:
+                children[i] = child
+            child.start()
+            child.join()
+            failure = "" if child.exitcode == 0 else f"exit code {child.exitcode}, its log: {log}"
+            if failure:
+                failures[i] = failure
+            finished(i, failure)
+
+    workers = [threading.Thread(target=worker, name=f"medflower-run-{k}") for k in range(parallel)]
+    for thread in workers:
+        thread.start()
+    try:
+        for thread in workers:
+            while thread.is_alive():
+                thread.join(timeout=1.0)
+    except KeyboardInterrupt:
+        stop.set()
+        with lock:
+            under_way = [child for child in children.values() if child.is_alive()]
+        for child in under_way:
+            child.terminate()
+        for thread in workers:
+            thread.join(timeout=60)
+        raise
+    if failures:
+        raise RunsFailed(
+            f"{len(failures)} of {len(configs)} runs failed: "
+            + "; ".join(f"{configs[i]['run-name']} ({why})" for i, why in sorted(failures.items()))
+        )
 
 
 def _finite(values: list[Any]) -> list[float]:
@@ -719,7 +818,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-only", action="store_true", help="only rebuild the table and curves")
     parser.add_argument("--only", default="", help="comma-separated run names: run and compare just these")
     parser.add_argument("--seeds", default="", help="comma-separated seeds of the file: run and compare just these")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --engine inprocess: N runs at a time, each in its own process, its log in <output>/logs/",
+    )
     args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be 1 or more, got {args.parallel}")
+    if args.parallel > 1 and args.engine != "inprocess":
+        parser.error(
+            "--parallel needs --engine inprocess: through flwr run, one simulation already trains its sites side by "
+            "side (Ray's actors), and several simulations would each start their own Ray on the same cores"
+        )
     try:
         plan = select_seeds(select_runs(load_plan(args.file), args.only), args.seeds)
     except ExperimentFileError as err:
@@ -728,7 +841,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.output_dir / safe_name(plan["name"])
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.compare_only:
-        execute(plan, out_dir, args.engine)
+        try:
+            execute(plan, out_dir, args.engine, args.parallel)
+        except RunsFailed as err:
+            print(f"error: {err}; rerun them with --only and --seeds, then --compare-only", file=sys.stderr)
+            return 1
     result = compare(plan, out_dir)
     print((out_dir / "comparison.md").read_text())
     written = [out_dir / name for name in ("comparison.md", "comparison.json", "curves.png", PER_SITE)]

@@ -1,4 +1,4 @@
-"""The experiment runner's progress: a bar with the current run, its round and an ETA, and a line per finished run.
+"""The experiment runner's progress: a bar with the runs under way, their rounds and an ETA; a line per finished run.
 
 The runs write their own folders (``metrics.jsonl``: a server record per round; ``config.json``: the rounds the
 strategy runs); a thread reads what a run has appended since it last looked, so the same works for runs in this
@@ -74,7 +74,8 @@ class RoundReader:
 
 
 class Progress:
-    """Tells how far the file's runs are: ``start(i)`` before run i, ``finish(i, summary)`` after it."""
+    """Tells how far the file's runs are: ``start(i)`` before run i, ``finish(i, summary)`` after it. Several runs may
+    be under way at once (``python -m medflower.experiments --parallel N``): the line then names each with its round."""
 
     def __init__(self, jobs: list[Job], out: TextIO | None = None, interval: float = 1.0):
         self.jobs = jobs
@@ -83,42 +84,47 @@ class Progress:
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
         self.started = time.monotonic()
         self.rounds_done = 0  # rounds of the finished runs
-        self.run_started = self.started
-        self.current: int | None = None
-        self.reader: RoundReader | None = None
-        self.shown: tuple[int, int] | None = None
+        self.running: dict[int, tuple[RoundReader, float]] = {}  # run index -> its reader, when it started
+        self.shown: tuple[tuple[int, int], ...] | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
 
     # --------------------------------------------------------------------------------- what is shown
-    def eta(self, done_in_run: int) -> float | None:
-        """Seconds left: the mean time of a round so far times the rounds still to run (None before a round)."""
-        done = self.rounds_done + done_in_run
+    def eta(self, done_in_runs: int) -> float | None:
+        """Seconds left: the time per round so far (finished runs' rounds and ``done_in_runs`` of those under way)
+        times the rounds still to run (None before a round)."""
+        done = self.rounds_done + done_in_runs
         if not done:
             return None
-        total_left = sum(job.rounds for job in self.jobs[self.current or 0 :]) - done_in_run
-        return (time.monotonic() - self.started) / done * max(total_left, 0)
+        left = sum(job.rounds for job in self.jobs) - done
+        return (time.monotonic() - self.started) / done * max(left, 0)
 
     def line(self) -> str:
-        i = self.current or 0
-        job = self.jobs[i]
-        done = self.reader.done if self.reader else 0
-        total = job.rounds
-        overall = self.rounds_done + done
-        planned = max(sum(j.rounds for j in self.jobs), 1)
-        filled = min(BAR, int(BAR * overall / planned))
-        eta = self.eta(done)
-        return (
-            f"[{'#' * filled}{'.' * (BAR - filled)}] run {i + 1}/{len(self.jobs)} {job.label}: round {done}/{total}, "
-            f"{duration(time.monotonic() - self.started)} elapsed, ETA {'?' if eta is None else duration(eta)}"
-        )
+        with self._lock:
+            running = sorted(self.running.items())
+            done_now = sum(reader.done for _, (reader, _) in running)
+            overall = self.rounds_done + done_now
+            planned = max(sum(j.rounds for j in self.jobs), 1)
+            filled = min(BAR, int(BAR * overall / planned))
+            eta = self.eta(done_now)
+            if len(running) == 1:
+                i, (reader, _) = running[0]
+                what = f"run {i + 1}/{len(self.jobs)} {self.jobs[i].label}: round {reader.done}/{self.jobs[i].rounds}"
+            else:
+                what = f"{len(running)} of {len(self.jobs)} runs under way: " + "; ".join(
+                    f"{self.jobs[i].label} round {reader.done}/{self.jobs[i].rounds}" for i, (reader, _) in running
+                )
+            return (
+                f"[{'#' * filled}{'.' * (BAR - filled)}] {what}, "
+                f"{duration(time.monotonic() - self.started)} elapsed, ETA {'?' if eta is None else duration(eta)}"
+            )
 
     def _show(self, force: bool = False) -> None:
         with self._lock:
-            if self.current is None:
+            if not self.running:
                 return
-            key = (self.current, self.reader.done if self.reader else 0)
+            key = tuple((i, reader.done) for i, (reader, _) in sorted(self.running.items()))
             if self.tty:
                 self.out.write("\r\033[K" + self.line())
             elif force or key != self.shown:
@@ -127,13 +133,14 @@ class Progress:
             self.out.flush()
 
     def _poll(self) -> int:
-        """The current run's finished rounds; once its config.json says how many it runs, that is its plan."""
-        if self.reader is None or self.current is None:
-            return 0
-        done = self.reader.poll()
-        if self.reader.total:
-            self.jobs[self.current].rounds = self.reader.total
-        return done
+        """The finished rounds of the runs under way; once a run's config.json says how many it runs, that is its
+        plan."""
+        with self._lock:
+            for i, (reader, _) in self.running.items():
+                reader.poll()
+                if reader.total:
+                    self.jobs[i].rounds = reader.total
+            return sum(reader.done for reader, _ in self.running.values())
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval):
@@ -144,30 +151,31 @@ class Progress:
     # --------------------------------------------------------------------------------- the runner's calls
     def start(self, i: int) -> None:
         with self._lock:
-            self.current = i
-            self.reader = RoundReader(self.jobs[i].folder)
-            self.run_started = time.monotonic()
+            self.running[i] = (RoundReader(self.jobs[i].folder), time.monotonic())
         self._show(force=True)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="medflower-progress", daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="medflower-progress", daemon=True)
+                self._thread.start()
 
-    def finish(self, i: int, summary: dict[str, Any] | None, metrics: list[str]) -> str:
-        """The run's one-line result (its final metrics, or that it left no summary), printed and returned."""
+    def finish(self, i: int, summary: dict[str, Any] | None, metrics: list[str], failure: str = "") -> str:
+        """The run's one-line result (its final metrics, ``failure``, or that it left no summary), printed and
+        returned."""
         job = self.jobs[i]
         with self._lock:
-            done = self._poll()
+            self._poll()
+            reader, started = self.running.pop(i)
             self.rounds_done += job.rounds  # what is left of the plan no longer counts towards the ETA
-            self.reader = None
-            if summary is None:
+            if failure:
+                result = f"failed: {failure}"
+            elif summary is None:
                 result = "no summary.json (see the log above)"
             else:
                 values = [f"{m}={v:.4f}" for m in metrics if isinstance(v := summary["final"].get(m), (int, float))]
-                result = f"{summary.get('rounds', done)} rounds, " + (" ".join(values) or "no metric of the table")
-            text = (
-                f"[{i + 1}/{len(self.jobs)}] {job.label} done in {duration(time.monotonic() - self.run_started)}: "
-                f"{result}"
-            )
+                result = f"{summary.get('rounds', reader.done)} rounds, " + (
+                    " ".join(values) or "no metric of the table"
+                )
+            text = f"[{i + 1}/{len(self.jobs)}] {job.label} done in {duration(time.monotonic() - started)}: {result}"
             self.out.write(("\r\033[K" if self.tty else "") + text + "\n")
             self.out.flush()
         return text
@@ -177,7 +185,7 @@ class Progress:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
-            self.current = None
+            self.running.clear()
             if self.tty:
                 self.out.write("\r\033[K")
                 self.out.flush()

@@ -395,3 +395,55 @@ def test_a_seed_where_a_site_failed_or_evaluated_early_is_left_out_of_the_means_
     assert "| lost | – | – |" in markdown
     assert "- stale seed 1: the last evaluation of a is older than round 2" in markdown
     assert "warning: failed seed 1 is left out of the comparison: 2 failed" in capsys.readouterr().err
+
+
+def test_parallel_runs_equal_the_same_runs_one_by_one_and_a_failed_run_is_named_with_its_log(tmp_path, capsys):
+    """--parallel 2: each run in a fresh process gives bit for bit what the runs give one after another in this
+    process; a run that fails (here: its folder already holds a run and it may not overwrite it) is reported with its
+    log while the others finish, and the command exits 1 without a table."""
+    from medflower.contract import Checkpointer
+
+    plan = {
+        "name": "side-by-side",
+        "num-supernodes": 2,
+        "metrics": ["auc"],
+        "base": TINY_BASE,
+        "runs": [
+            {"name": "fedavg", "strategy": "fedavg"},
+            {"name": "refused", "strategy": "fedavg", "overwrite": False},
+        ],
+    }
+    path = write_yaml(tmp_path / "side-by-side.yaml", plan)
+    held = tmp_path / "parallel" / "side-by-side" / "refused-seed0"
+    held.mkdir(parents=True)
+    (held / "summary.json").write_text("{}")
+    parallel = ["--output-dir", str(tmp_path / "parallel"), "--engine", "inprocess", "--parallel", "2"]
+    assert main([str(path), *parallel]) == 1
+    captured = capsys.readouterr()
+    logs = tmp_path / "parallel" / "side-by-side" / "logs"
+    assert f"1 of 2 runs failed: refused-seed0 (exit code 1, its log: {logs / 'refused-seed0.log'})" in captured.err
+    assert "already holds a run" in (logs / "refused-seed0.log").read_text()
+    assert "refused seed 0 done in" in captured.out and "failed: exit code 1" in captured.out
+    assert "2 at a time" in captured.out and "2 of 2 runs under way: fedavg seed 0 round 0/2; refused" in captured.out
+    sequential = ["--output-dir", str(tmp_path / "one-by-one"), "--engine", "inprocess", "--only", "fedavg"]
+    assert main([str(path), *sequential]) == 0
+    for run in ("fedavg-seed0",):
+        got, want = (tmp_path / where / "side-by-side" / run for where in ("parallel", "one-by-one"))
+        assert "round 2" in (logs / f"{run}.log").read_text()
+        summaries = [json.loads((folder / "summary.json").read_text()) for folder in (got, want)]
+        assert summaries[0]["final"] == summaries[1]["final"] and summaries[0]["final"]["auc"] > 0
+        assert summaries[0]["per_client"] == summaries[1]["per_client"]
+        arrays = [Checkpointer(folder / "checkpoint").load()[0] for folder in (got, want)]
+        assert arrays[0].keys() == arrays[1].keys()
+        assert all(torch.equal(torch.as_tensor(arrays[0][k]), torch.as_tensor(arrays[1][k])) for k in arrays[0])
+
+
+def test_parallel_is_refused_through_flwr_run_and_below_one(tmp_path, capsys):
+    path = write_yaml(tmp_path / "p.yaml", {"runs": [{"name": "a", "strategy": "fedavg"}]})
+    for args, message in (
+        (["--parallel", "2"], "--parallel needs --engine inprocess"),
+        (["--parallel", "0"], "1 or more"),
+    ):
+        with pytest.raises(SystemExit):
+            main([str(path), *args])
+        assert message in capsys.readouterr().err
