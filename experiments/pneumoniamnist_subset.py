@@ -20,13 +20,19 @@ import numpy as np
 SPLITS = ("train", "val", "test")
 
 
-def stratified_rows(labels: np.ndarray, keep: int, rng: np.random.Generator) -> np.ndarray:
-    """Row indices, ``keep`` in all, each class's count in proportion to its share (largest remainders)."""
-    classes, counts = np.unique(labels, return_counts=True)
-    exact = counts * keep / len(labels)
+def apportion(counts: np.ndarray, total: int) -> np.ndarray:
+    """``total`` split in proportion to ``counts``, whole numbers summing to ``total`` (largest remainders)."""
+    exact = counts * total / counts.sum()
     take = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - take))[: keep - take.sum()]:
+    for i in np.argsort(-(exact - take))[: total - take.sum()]:
         take[i] += 1
+    return take
+
+
+def stratified_rows(labels: np.ndarray, keep: int, rng: np.random.Generator) -> np.ndarray:
+    """Row indices, ``keep`` in all, each class's count in proportion to its share."""
+    classes, counts = np.unique(labels, return_counts=True)
+    take = apportion(counts, keep)
     rows = [rng.choice(np.flatnonzero(labels == c), size=n, replace=False) for c, n in zip(classes, take)]
     return np.sort(np.concatenate(rows))
 
@@ -44,10 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = np.array([len(data[f"{s}_labels"]) for s in SPLITS])
     if not 0 < args.total <= sizes.sum():
         parser.error(f"--total must be between 1 and {sizes.sum()} (the file's images)")
-    share = sizes * args.total / sizes.sum()
-    per_split = np.floor(share).astype(int)
-    for i in np.argsort(-(share - per_split))[: args.total - per_split.sum()]:
-        per_split[i] += 1
+    per_split = apportion(sizes, args.total)
     out = {}
     for split, keep in zip(SPLITS, per_split):
         labels = data[f"{split}_labels"].reshape(-1)
