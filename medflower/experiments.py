@@ -26,7 +26,8 @@ A ``pretrain`` entry maps a weights file to the arguments of ``python -m medflow
 (docs/models.md#a-stand-in-pretrained-on-real-images); a file that exists is used as it is, so delete it to
 rebuild. Each (run, seed) goes through ``flwr run`` against a SuperLink in simulation mode started for
 this file alone (``--engine inprocess`` uses the in-process grid instead, for quick checks); running the
-file again redoes every run in its folder (``overwrite: false`` in ``base`` refuses instead).
+file again redoes every run in its folder (``overwrite: false`` in ``base`` refuses instead), and ``--resume`` keeps
+each finished run of the same config and continues each stopped one from its checkpoint (``earlier_run``).
 Outputs: one run folder per (run, seed), ``comparison.md``/``comparison.json`` (mean ± std
 over seeds of the final mean-over-clients metrics, bytes per round), ``curves.png`` and ``per-site.png`` (each
 run's final metrics per site as heat maps).
@@ -271,15 +272,51 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
     return absolute_paths(config)
 
 
-def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1) -> None:
+def earlier_run(config: dict[str, Any], threads: int) -> str:
+    """What the (run, seed)'s folder already holds of this very run, for ``--resume``: "finished" (summary.json), or
+    "stopped" (a checkpoint to continue from, ``resume-from``), or "" (nothing, another config's run, or files that do
+    not read: then the run starts over). The same run: its config.json holds every key the file gives it with the same
+    value (``overwrite`` and ``resume-from`` aside) and the same torch thread count. Defaults the file does not set are
+    not compared, so a run made by an older medflower whose defaults have since changed is kept: delete its folder (or
+    leave out ``--resume``) to redo it."""
+    folder = Path(config["output-dir"]) / config["run-name"]
+    try:
+        recorded = json.loads((folder / run_folder.CONFIG).read_text())
+        resolved = recorded["resolved"]
+        same = all(
+            recorded[key] == json.loads(json.dumps(value))
+            for key, value in config.items()
+            if key not in ("overwrite", "resume-from")
+        )
+        same = same and int(resolved["torch-threads"]) == threads
+    except (OSError, ValueError, TypeError, KeyError):  # no run here, or one whose config does not read
+        return ""
+    if not same:
+        return ""
+    with contextlib.suppress(OSError, ValueError):
+        summary = json.loads((folder / run_folder.SUMMARY_JSON).read_text())
+        if isinstance(summary, dict) and isinstance(summary.get("final"), dict):
+            return "finished"
+    from .contract import Checkpointer
+
+    return "stopped" if Checkpointer(folder / run_folder.CHECKPOINT).rounds() else ""
+
+
+def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1, resume: bool = False) -> None:
     """Every (run, seed) of the file, with torch's thread count pinned to the file's ``threads`` (results on the CPU
     change with it: the order of floating-point sums does); config.json records it (``resolved.torch-threads``).
-    ``parallel`` > 1 (in process only): that many runs at a time, each in a fresh process (``run_parallel``)."""
+    ``parallel`` > 1 (in process only): that many runs at a time, each in a fresh process (``run_parallel``).
+    ``resume``: a finished run of the same config is kept, a stopped one continues from its checkpoint
+    (``earlier_run``); the others run from the start."""
     build_stand_ins(plan)
     jobs = [(run, seed) for run in plan["runs"] for seed in plan["seeds"]]
     n = int(plan["num-supernodes"])
     threads = int(plan["threads"])
     configs = [run_config(plan, run, seed, out_dir) for run, seed in jobs]
+    if resume:
+        jobs, configs = resumed_jobs(jobs, configs, threads)
+        if not jobs:
+            return
     progress = Progress(
         [
             Job(f"{run['name']} seed {seed}", out_dir / config["run-name"], int(config.get("num-rounds", 5)))
@@ -328,6 +365,30 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1)
                 finished(i)
         finally:
             progress.close()
+
+
+def resumed_jobs(
+    jobs: list[tuple[dict[str, Any], int]], configs: list[dict[str, Any]], threads: int
+) -> tuple[list[tuple[dict[str, Any], int]], list[dict[str, Any]]]:
+    """``--resume``: the jobs still to run, a stopped one with ``resume-from`` its folder; says what was kept."""
+    left, left_configs, kept, continued = [], [], [], []
+    for (run, seed), config in zip(jobs, configs):
+        state = earlier_run(config, threads)
+        if state == "finished":
+            kept.append(config["run-name"])
+            continue
+        if state == "stopped":
+            continued.append(config["run-name"])
+            config = {**config, "resume-from": str(Path(config["output-dir"]) / config["run-name"])}
+        left.append((run, seed))
+        left_configs.append(config)
+    print(
+        f"--resume: {len(kept)} finished run(s) kept ({', '.join(kept) or 'none'}), "
+        f"{len(continued)} continued from their checkpoints ({', '.join(continued) or 'none'}), "
+        f"{len(left) - len(continued)} from the start",
+        flush=True,
+    )
+    return left, left_configs
 
 
 class RunsFailed(RuntimeError):
@@ -825,6 +886,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="with --engine inprocess: N runs at a time, each in its own process, its log in <output>/logs/",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep each finished run of the same config, continue each stopped one from its checkpoint",
+    )
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error(f"--parallel must be 1 or more, got {args.parallel}")
@@ -842,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.compare_only:
         try:
-            execute(plan, out_dir, args.engine, args.parallel)
+            execute(plan, out_dir, args.engine, args.parallel, args.resume)
         except RunsFailed as err:
             print(f"error: {err}; rerun them with --only and --seeds, then --compare-only", file=sys.stderr)
             return 1

@@ -447,3 +447,63 @@ def test_parallel_is_refused_through_flwr_run_and_below_one(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main([str(path), *args])
         assert message in capsys.readouterr().err
+
+
+def test_resume_keeps_finished_runs_and_continues_a_stopped_one_to_the_uninterrupted_result(tmp_path, capsys):
+    """--resume after a runner died part way through a file: the finished run is not run again, the stopped one
+    continues from its checkpoint to the arrays an uninterrupted run reaches; a run whose config.json differs from
+    what the file now asks (a value, the torch threads) or does not read is run from the start."""
+    from medflower.contract import Checkpointer
+    from medflower.contract.server import FederatedStrategy
+    from medflower.experiments import earlier_run, load_plan, run_config
+
+    plan = {
+        "name": "resumed",
+        "num-supernodes": 2,
+        "metrics": ["auc"],
+        "base": TINY_BASE,
+        "runs": [{"name": "a", "strategy": "fedavg"}, {"name": "b", "strategy": "fedprox"}],
+    }
+    path = write_yaml(tmp_path / "resumed.yaml", plan)
+    args = [str(path), "--output-dir", str(tmp_path / "out"), "--engine", "inprocess"]
+    out = tmp_path / "out" / "resumed"
+    original = FederatedStrategy.run_round
+
+    class Killed(Exception):
+        pass
+
+    def dies_in_round_2(self, grid, rnd):
+        if rnd == 2 and self.cfg.strategy == "fedprox":
+            raise Killed  # the runner dies while b trains its second round
+        return original(self, grid, rnd)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FederatedStrategy, "run_round", dies_in_round_2)
+        with pytest.raises(Killed):
+            main(args)
+    assert (out / "a-seed0" / "summary.json").is_file() and not (out / "b-seed0" / "summary.json").exists()
+    kept = (out / "a-seed0" / "summary.json").stat().st_mtime_ns
+    before = (out / "b-seed0" / "metrics.jsonl").read_bytes()
+    assert b'"round": 1' in before
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "--resume: 1 finished run(s) kept (a-seed0), 1 continued from their checkpoints (b-seed0), 0 from" in printed
+    assert (out / "a-seed0" / "summary.json").stat().st_mtime_ns == kept, "the finished run was not run again"
+    after = (out / "b-seed0" / "metrics.jsonl").read_bytes()
+    assert after.startswith(before), "round 1's records (timings included) are the stopped run's: not redone"
+    servers = [json.loads(line) for line in after.decode().splitlines()]
+    assert [r["round"] for r in servers if r["kind"] == "server"] == [1, 2]
+    whole = tmp_path / "whole"
+    assert main([str(path), "--output-dir", str(whole), "--engine", "inprocess", "--only", "b"]) == 0
+    got, want = (Checkpointer(folder / "b-seed0" / "checkpoint").load()[0] for folder in (out, whole / "resumed"))
+    assert got.keys() == want.keys() and all(
+        torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])) for k in got
+    )
+    # what makes a folder another run: the file's values, the thread count, a config.json that does not read
+    loaded = load_plan(path)
+    config = run_config(loaded, loaded["runs"][0], 0, out)
+    assert earlier_run(config, 1) == "finished"
+    assert earlier_run({**config, "lr": 0.5}, 1) == "" and earlier_run(config, 2) == ""
+    (out / "a-seed0" / "config.json").write_text("{not json")
+    assert earlier_run(config, 1) == ""
