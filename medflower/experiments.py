@@ -274,11 +274,11 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
 
 def earlier_run(config: dict[str, Any], threads: int) -> str:
     """What the (run, seed)'s folder already holds of this very run, for ``--resume``: "finished" (summary.json), or
-    "stopped" (a checkpoint to continue from, ``resume-from``), or "" (nothing, another config's run, or files that do
-    not read: then the run starts over). The same run: its config.json holds every key the file gives it with the same
-    value (``overwrite`` and ``resume-from`` aside) and the same torch thread count. Defaults the file does not set are
-    not compared, so a run made by an older medflower whose defaults have since changed is kept: delete its folder (or
-    leave out ``--resume``) to redo it."""
+    "stopped" (a valid checkpoint to continue from, ``resume-from``), or "" (nothing, another config's run, files
+    that do not read, or no valid checkpoint: then the run starts over). The same run: its config.json holds every
+    key the file gives it with the same value (``overwrite`` and ``resume-from`` aside) and the same torch thread
+    count. Defaults the file does not set are not compared, so a run made by an older medflower whose defaults have
+    since changed is kept: delete its folder (or leave out ``--resume``) to redo it."""
     folder = Path(config["output-dir"]) / config["run-name"]
     try:
         recorded = json.loads((folder / run_folder.CONFIG).read_text())
@@ -297,9 +297,13 @@ def earlier_run(config: dict[str, Any], threads: int) -> str:
         summary = json.loads((folder / run_folder.SUMMARY_JSON).read_text())
         if isinstance(summary, dict) and isinstance(summary.get("final"), dict):
             return "finished"
-    from .contract import Checkpointer
+    from .contract.checkpoint import Checkpointer, CheckpointError
 
-    return "stopped" if Checkpointer(folder / run_folder.CHECKPOINT).rounds() else ""
+    try:  # a valid checkpoint, the newest one that passes its digest check (the one resume-from takes)
+        Checkpointer(folder / run_folder.CHECKPOINT).load()
+    except (FileNotFoundError, CheckpointError):
+        return ""
+    return "stopped"
 
 
 def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1, resume: bool = False) -> None:

@@ -507,3 +507,12 @@ def test_resume_keeps_finished_runs_and_continues_a_stopped_one_to_the_uninterru
     assert earlier_run({**config, "lr": 0.5}, 1) == "" and earlier_run(config, 2) == ""
     (out / "a-seed0" / "config.json").write_text("{not json")
     assert earlier_run(config, 1) == ""
+    # a stopped run whose checkpoints all fail their digest check starts over rather than failing the file
+    b = run_config(loaded, loaded["runs"][1], 0, out)
+    (out / "b-seed0" / "summary.json").unlink()
+    assert earlier_run(b, 1) == "stopped"
+    for arrays in (out / "b-seed0" / "checkpoint").glob("round-*/arrays.safetensors"):
+        data = bytearray(arrays.read_bytes())
+        data[-5] ^= 0xFF
+        arrays.write_bytes(bytes(data))
+    assert earlier_run(b, 1) == ""
