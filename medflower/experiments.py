@@ -323,7 +323,12 @@ def execute(plan: dict[str, Any], out_dir: Path, engine: str, parallel: int = 1,
             return
     progress = Progress(
         [
-            Job(f"{run['name']} seed {seed}", out_dir / config["run-name"], int(config.get("num-rounds", 5)))
+            Job(
+                f"{run['name']} seed {seed}",
+                out_dir / config["run-name"],
+                int(config.get("num-rounds", 5)),
+                continued=bool(config.get("resume-from")),
+            )
             for (run, seed), config in zip(jobs, configs)
         ]
     )

@@ -4,6 +4,11 @@ The runs write their own folders (``metrics.jsonl``: a server record per round; 
 strategy runs); a thread reads what a run has appended since it last looked, so the same works for runs in this
 process and for runs behind ``flwr run``. On a terminal the bar is one line rewritten in place; elsewhere (a log
 file, CI) a line per round.
+
+A folder may hold an earlier run when a run starts. A run that starts over (``overwrite=true``) deletes those files, so
+until it writes its own, the files found there at its start are not read. A stopped run continued from its checkpoint
+(``--resume``) keeps its records: its rounds so far show on the bar but do not count towards the ETA, which is the
+time per round of this process's rounds times the rounds still to run.
 """
 
 from __future__ import annotations
@@ -39,24 +44,58 @@ class Job:
     label: str
     folder: Path
     rounds: int
+    continued: bool = False  # a stopped run continued from its checkpoint: its records so far are earlier rounds
 
 
 class RoundReader:
-    """The rounds a run folder's ``metrics.jsonl`` has finished, read incrementally (only new lines)."""
+    """The rounds a run folder's ``metrics.jsonl`` has finished, read incrementally (only new lines).
 
-    def __init__(self, folder: Path):
+    ``continued``: the records already there are this run's (a stopped run continued from its checkpoint); they are
+    read now, and ``earlier`` is their rounds. Otherwise the files there now are an earlier run's, which the run
+    deletes (``overwrite=true``): they are not read until they change, and a file that shrinks is read again from its
+    start."""
+
+    def __init__(self, folder: Path, continued: bool = False):
         self.folder = folder
         self.offset = 0
         self.done = 0
         self.total: int | None = None
+        # the files as they are now, an earlier run's unless this run continues it: not read until they change
+        self.stale = {} if continued else {path: self._stamp(path) for path in (self._metrics, self._config)}
+        self.earlier = self.poll() if continued else 0
+
+    @property
+    def _metrics(self) -> Path:
+        return self.folder / run_folder.METRICS
+
+    @property
+    def _config(self) -> Path:
+        return self.folder / run_folder.CONFIG
+
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int, int] | None:
+        try:
+            stat = path.stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def _current(self, path: Path) -> bool:
+        """Whether ``path`` is this run's: it exists and is not the file an earlier run left there."""
+        stamp = self._stamp(path)
+        return stamp is not None and stamp != self.stale.get(path)
 
     def poll(self) -> int:
-        path = self.folder / run_folder.METRICS
-        if self.total is None and (self.folder / run_folder.CONFIG).is_file():
+        path, config = self._metrics, self._config
+        if self.total is None and self._current(config):
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not written whole yet
-                self.total = int(json.loads((self.folder / run_folder.CONFIG).read_text())["resolved"]["rounds"])
+                self.total = int(json.loads(config.read_text())["resolved"]["rounds"])
+        if not self._current(path):
+            return self.done
         try:
             with path.open("rb") as f:
+                if f.seek(0, 2) < self.offset:  # replaced by a shorter file: read it from its start
+                    self.offset = self.done = 0
                 f.seek(self.offset)
                 chunk = f.read()
         except OSError:
@@ -83,7 +122,8 @@ class Progress:
         self.interval = interval
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
         self.started = time.monotonic()
-        self.rounds_done = 0  # rounds of the finished runs
+        self.rounds_done = 0  # rounds of the finished runs, run by this process
+        self.rounds_before = 0  # rounds the runs under way or finished had run before this process continued them
         self.running: dict[int, tuple[RoundReader, float]] = {}  # run index -> its reader, when it started
         self.shown: tuple[tuple[int, int], ...] | None = None
         self._stop = threading.Event()
@@ -92,19 +132,19 @@ class Progress:
 
     # --------------------------------------------------------------------------------- what is shown
     def eta(self, done_in_runs: int) -> float | None:
-        """Seconds left: the time per round so far (finished runs' rounds and ``done_in_runs`` of those under way)
-        times the rounds still to run (None before a round)."""
+        """Seconds left: the time per round so far (finished runs' rounds and ``done_in_runs`` of those under way,
+        both run by this process) times the rounds still to run (None before a round)."""
         done = self.rounds_done + done_in_runs
         if not done:
             return None
-        left = sum(job.rounds for job in self.jobs) - done
+        left = sum(job.rounds for job in self.jobs) - self.rounds_before - done
         return (time.monotonic() - self.started) / done * max(left, 0)
 
     def line(self) -> str:
         with self._lock:
             running = sorted(self.running.items())
-            done_now = sum(reader.done for _, (reader, _) in running)
-            overall = self.rounds_done + done_now
+            done_now = sum(reader.done - reader.earlier for _, (reader, _) in running)
+            overall = self.rounds_before + self.rounds_done + done_now
             planned = max(sum(j.rounds for j in self.jobs), 1)
             filled = min(BAR, int(BAR * overall / planned))
             eta = self.eta(done_now)
@@ -151,7 +191,9 @@ class Progress:
     # --------------------------------------------------------------------------------- the runner's calls
     def start(self, i: int) -> None:
         with self._lock:
-            self.running[i] = (RoundReader(self.jobs[i].folder), time.monotonic())
+            reader = RoundReader(self.jobs[i].folder, continued=self.jobs[i].continued)
+            self.running[i] = (reader, time.monotonic())
+            self.rounds_before += reader.earlier
         self._show(force=True)
         with self._lock:
             if self._thread is None:
@@ -165,7 +207,7 @@ class Progress:
         with self._lock:
             self._poll()
             reader, started = self.running.pop(i)
-            self.rounds_done += job.rounds  # what is left of the plan no longer counts towards the ETA
+            self.rounds_done += job.rounds - reader.earlier  # what is left of the plan no longer counts towards the ETA
             if failure:
                 result = f"failed: {failure}"
             elif summary is None:

@@ -4,6 +4,7 @@ logs, read back from real local stores (TensorBoard's event files, an MLflow SQL
 import io
 import json
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -239,3 +240,39 @@ def test_progress_shows_the_run_its_round_and_an_eta_then_one_line_per_run(tmp_p
     assert progress.finish(1, None, ["auc"]).endswith("no summary.json (see the log above)")
     progress.close()
     assert out.getvalue().count("done in") == 2
+
+
+def _rounds(folder: Path, rounds: range, total: int) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"resolved": {"rounds": total}}))
+    with (folder / "metrics.jsonl").open("a") as f:
+        for rnd in rounds:
+            f.write(json.dumps({"kind": "server", "round": rnd}) + "\n")
+
+
+def test_progress_ignores_an_earlier_run_in_the_folder_and_counts_a_continued_runs_rounds_as_earlier(tmp_path):
+    redo, cont = tmp_path / "redo", tmp_path / "cont"
+    _rounds(redo, range(1, 5), total=4)  # a finished run of 4 rounds, which the run started now deletes
+    _rounds(cont, range(1, 4), total=6)  # a run stopped after round 3 of 6, continued from its checkpoint
+    out = io.StringIO()
+    progress = Progress([Job("redo", redo, 2), Job("cont", cont, 6, continued=True)], out=out, interval=60)
+    progress.start(0)
+    progress.start(1)
+    progress._poll()
+    line = progress.line()
+    assert "redo round 0/2" in line and "cont round 3/6" in line
+    assert line.startswith("[" + "#" * 7 + "." * 13 + "]") and "ETA ?" in line  # 3 of 8 rounds, none run here
+    (redo / "metrics.jsonl").unlink()  # overwrite=true: the old run's files go, the new run writes its own
+    (redo / "config.json").unlink()
+    _rounds(redo, range(1, 2), total=2)
+    progress._poll()
+    line = progress.line()
+    assert "redo round 1/2" in line and "cont round 3/6" in line
+    # one round run here: the ETA is the elapsed time per round times the 4 rounds left, not the 4 of 8 the bar shows
+    elapsed = time.monotonic() - progress.started
+    assert elapsed * 4 - 1 <= progress.eta(1) <= (time.monotonic() - progress.started) * 4 + 1
+    _rounds(cont, range(4, 7), total=6)
+    progress._poll()
+    assert progress.finish(1, {"rounds": 6, "final": {}}, []).endswith("6 rounds, no metric of the table")
+    assert progress.rounds_done == 3 and progress.rounds_before == 3
+    progress.close()
