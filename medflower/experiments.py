@@ -621,8 +621,9 @@ def plot_per_site(plan: dict[str, Any], per_client: dict[str, Any], out_dir: Pat
 def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> dict[str, Any] | None:
     """The mixing matrix of the last round that logged one (``sgca_W``: SGCA's W of Eq. 7, or lat's fixed n_k
     weights; rows = receiving site), averaged over the seeds whose last W covers the same sites; None for a run
-    that logs none."""
-    matrices, clients = [], None
+    that logs none. With it, where every one of those seeds logged them, the two things SGCA's W weighs: the
+    scaled distances ``D`` (``sgca_D``) and the size shares ``m`` (``sgca_m``), averaged the same way."""
+    lasts, clients = [], None
     for seed in plan["seeds"]:
         logged = [r for r in run_records(plan, out_dir, run, seed) if "sgca_W" in r and "sgca_clients" in r]
         if not logged:
@@ -630,12 +631,17 @@ def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> di
         last = logged[-1]
         clients = clients or list(last["sgca_clients"])
         if list(last["sgca_clients"]) == clients:
-            matrices.append(last["sgca_W"])
-    if not matrices:
+            lasts.append(last)
+    if not lasts:
         return None
     n = len(clients)
-    mean = [[statistics.fmean(float(w[i][j]) for w in matrices) for j in range(n)] for i in range(n)]
-    return {"clients": clients, "W": mean, "seeds": len(matrices)}
+    result: dict[str, Any] = {"clients": clients, "seeds": len(lasts)}
+    for key, name in (("sgca_W", "W"), ("sgca_D", "D")):
+        if all(key in last for last in lasts):
+            result[name] = [[statistics.fmean(float(r[key][i][j]) for r in lasts) for j in range(n)] for i in range(n)]
+    if all("sgca_m" in last for last in lasts):
+        result["m"] = [statistics.fmean(float(r["sgca_m"][j]) for r in lasts) for j in range(n)]
+    return result
 
 
 def mixing_markdown(mixing: dict[str, dict[str, Any]]) -> str:
@@ -651,6 +657,17 @@ def mixing_markdown(mixing: dict[str, dict[str, Any]]) -> str:
             "|---|" + "---|" * len(clients),
         ]
         out += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, entry["W"])]
+        if "D" in entry:
+            out += [
+                "",
+                f"{name}: the scaled distances D that W weighed (row = site), mean over {entry['seeds']} seed(s):",
+                "",
+                "| site | " + " | ".join(clients) + " |",
+                "|---|" + "---|" * len(clients),
+            ]
+            out += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, entry["D"])]
+        if "m" in entry:
+            out += ["", f"{name}: the size shares m: " + ", ".join(f"{c} {v:.3f}" for c, v in zip(clients, entry["m"]))]
     return "\n".join(out) + "\n"
 
 

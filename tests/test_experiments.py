@@ -295,10 +295,11 @@ def test_sgca_runs_get_their_last_rounds_mixing_weights_averaged_over_seeds(tmp_
     for seed, last in ((0, [[0.7, 0.3], [0.2, 0.8]]), (1, [[0.5, 0.5], [0.4, 0.6]])):
         folder = tmp_path / f"sgca-seed{seed}"
         folder.mkdir()
+        d, m = [[0.0, 1.0], [seed / 2, 0.0]], [0.6 - seed / 10, 0.4 + seed / 10]
         records = [
             {"kind": "server", "round": 1, "sgca_clients": sites, "sgca_W": [[1.0, 0.0], [0.0, 1.0]]},
             {"kind": "eval", "round": 1, "client": "a-1", "dice": 0.5},
-            {"kind": "server", "round": 2, "sgca_clients": sites, "sgca_W": last},
+            {"kind": "server", "round": 2, "sgca_clients": sites, "sgca_W": last, "sgca_D": d, "sgca_m": m},
         ]
         (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
         (tmp_path / f"lat-seed{seed}").mkdir()
@@ -307,7 +308,14 @@ def test_sgca_runs_get_their_last_rounds_mixing_weights_averaged_over_seeds(tmp_
     assert mixing["clients"] == sites and mixing["seeds"] == 2
     assert sum(mixing["W"], []) == pytest.approx([0.6, 0.4, 0.3, 0.7])  # the last round's W, mean over the two seeds
     assert final_mixing(plan, tmp_path, plan["runs"][1]) is None  # lat logs no W
-    assert "| a-2 | 0.300 | 0.700 |" in mixing_markdown({"sgca": mixing})
+    assert sum(mixing["D"], []) == pytest.approx([0.0, 1.0, 0.25, 0.0]) and mixing["m"] == pytest.approx([0.55, 0.45])
+    text = mixing_markdown({"sgca": mixing})
+    assert "| a-2 | 0.300 | 0.700 |" in text and "| a-2 | 0.250 | 0.000 |" in text and "a-1 0.550, a-2 0.450" in text
+    # a run logged before D and m were: W alone
+    for seed in (0, 1):
+        path = tmp_path / f"sgca-seed{seed}" / "metrics.jsonl"
+        path.write_text(path.read_text().replace('"sgca_D"', '"old_D"').replace('"sgca_m"', '"old_m"'))
+    assert set(final_mixing(plan, tmp_path, plan["runs"][0])) == {"clients", "seeds", "W"}
 
 
 def test_an_in_process_experiment_keeps_no_sent_message_while_tests_can_read_them(tmp_path):

@@ -314,6 +314,8 @@ class SGCA(FederatedStrategy):
 
     def mixing_matrix(self, m: np.ndarray, thetas: torch.Tensor) -> np.ndarray:
         d = adapter_distances(thetas, self.cfg.sgca_metric, self.cfg.sgca_distance_scale, thetas.device)
+        # logged beside W: how much of W is similarity (D) and how much the size prior (m) shows only with both
+        self.stats.extra.update(sgca_D=np.round(d, 8).tolist())
         return sgca_weights(m, d, self.cfg.sgca_alpha, self.cfg.sgca_solver)
 
     def aggregate_train(self, rnd: int, replies: list[Reply]) -> None:
@@ -332,7 +334,7 @@ class SGCA(FederatedStrategy):
         mixed = (torch.from_numpy(w.astype(np.float32)).to(thetas.device) @ thetas).cpu().numpy()
         for client, row in zip(clients, mixed):
             self.aggregates[client] = unflatten(row, self.transmitted_spec)
-        self.stats.extra.update(sgca_clients=clients, sgca_W=np.round(w, 8).tolist())
+        self.stats.extra.update(sgca_clients=clients, sgca_m=np.round(m, 8).tolist(), sgca_W=np.round(w, 8).tolist())
 
     # --- persistence: one Θ̂ per client
     def state(self) -> tuple[Mapping[str, np.ndarray], dict[str, Any]]:

@@ -224,8 +224,12 @@ def test_sgca_sends_each_node_its_own_aggregate_and_logs_w(tiny, monkeypatch, sc
         # The logged W is the QP's solution (Eq. 7) for exactly the adapters the sites uploaded that round.
         uploaded = np.stack([sent_up[(rnd, c)] for c in r["sgca_clients"]])
         n = np.array([sizes[(rnd, c)] for c in r["sgca_clients"]], dtype=np.float64)
-        expected = sgca_weights(n / n.sum(), adapter_distances(uploaded, "l2", scale), 0.8, "cvxpy")
+        d = adapter_distances(uploaded, "l2", scale)
+        expected = sgca_weights(n / n.sum(), d, 0.8, "cvxpy")
         np.testing.assert_allclose(w, expected, atol=2e-8)
+        # beside W, the two things it weighs: the scaled distances D and the size shares m
+        np.testing.assert_allclose(r["sgca_D"], d, atol=1e-7)
+        np.testing.assert_allclose(r["sgca_m"], n / n.sum(), atol=1e-8)
         assert not np.allclose(w, np.tile(n / n.sum(), (3, 1)), atol=1e-3)  # not FedAvg's weights
     round2 = [m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.group_id == "2"]
     names = list(round2[0].content["arrays"].keys())
