@@ -645,27 +645,25 @@ def final_mixing(plan: dict[str, Any], out_dir: Path, run: dict[str, Any]) -> di
 
 
 def mixing_markdown(mixing: dict[str, dict[str, Any]]) -> str:
-    """Each run's last-round W as a table: row i is what site i receives from each site."""
+    """Each run's last-round W as a table (row i is what site i receives from each site), and for SGCA the scaled
+    distances D and size shares m it weighed."""
     out = []
+
+    def matrix(title: str, corner: str, clients: list[str], rows: list[list[float]]) -> None:
+        out.extend(["", title, "", f"| {corner} | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)])
+        out.extend(f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, rows))
+
     for name, entry in mixing.items():
-        clients = entry["clients"]
-        out += [
-            "",
-            f"{name}: the last round's mixing weights W (row = receiving site), mean over {entry['seeds']} seed(s):",
-            "",
-            "| receiving site | " + " | ".join(clients) + " |",
-            "|---|" + "---|" * len(clients),
-        ]
-        out += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, entry["W"])]
+        clients, seeds = entry["clients"], entry["seeds"]
+        what = f"mean over {seeds} seed(s):"
+        matrix(
+            f"{name}: the last round's mixing weights W (row = receiving site), {what}",
+            "receiving site",
+            clients,
+            entry["W"],
+        )
         if "D" in entry:
-            out += [
-                "",
-                f"{name}: the scaled distances D that W weighed (row = site), mean over {entry['seeds']} seed(s):",
-                "",
-                "| site | " + " | ".join(clients) + " |",
-                "|---|" + "---|" * len(clients),
-            ]
-            out += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for c, row in zip(clients, entry["D"])]
+            matrix(f"{name}: the scaled distances D that W weighed (row = site), {what}", "site", clients, entry["D"])
         if "m" in entry:
             out += ["", f"{name}: the size shares m: " + ", ".join(f"{c} {v:.3f}" for c, v in zip(clients, entry["m"]))]
     return "\n".join(out) + "\n"
