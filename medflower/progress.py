@@ -143,7 +143,8 @@ class Progress:
     def line(self) -> str:
         with self._lock:
             running = sorted(self.running.items())
-            done_now = sum(reader.done - reader.earlier for _, (reader, _) in running)
+            # max: a resumed run drops records after its checkpoint's round, which ``earlier`` may have counted
+            done_now = sum(max(reader.done - reader.earlier, 0) for _, (reader, _) in running)
             overall = self.rounds_before + self.rounds_done + done_now
             planned = max(sum(j.rounds for j in self.jobs), 1)
             filled = min(BAR, int(BAR * overall / planned))
@@ -207,7 +208,7 @@ class Progress:
         with self._lock:
             self._poll()
             reader, started = self.running.pop(i)
-            self.rounds_done += job.rounds - reader.earlier  # what is left of the plan no longer counts towards the ETA
+            self.rounds_done += max(job.rounds - reader.earlier, 0)  # the rest of its plan leaves the ETA
             if failure:
                 result = f"failed: {failure}"
             elif summary is None:

@@ -314,7 +314,7 @@ class SGCA(FederatedStrategy):
 
     def mixing_matrix(self, m: np.ndarray, thetas: torch.Tensor) -> np.ndarray:
         d = adapter_distances(thetas, self.cfg.sgca_metric, self.cfg.sgca_distance_scale, thetas.device)
-        # logged beside W: how much of W is similarity (D) and how much the size prior (m) shows only with both
+        # logged beside W: W alone cannot tell the distance term (D) from the size prior (m)
         self.stats.extra.update(sgca_D=np.round(d, 8).tolist())
         return sgca_weights(m, d, self.cfg.sgca_alpha, self.cfg.sgca_solver)
 
