@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from medflower.results import RunRecorder, RunReport, summary_markdown
 from medflower.training import auc_score, classification_metrics
@@ -82,6 +83,16 @@ def test_auc_binary_multiclass_and_missing_classes():
     assert math.isnan(auc_score(np.array([1, 1]), probs[:2]))
     m = classification_metrics(y, probs)
     assert m["accuracy"] == 1.0 and m["balanced_accuracy"] == 1.0
+
+
+def test_multiclass_auc_is_the_mean_of_the_present_classes_one_vs_rest_scores():
+    """Not a perfect split: each present class's score against the rest, by sklearn one class at a time, averaged."""
+    rng = np.random.default_rng(3)
+    y = rng.choice([0, 1, 3, 4], size=40)  # classes 2 and 5 absent
+    probs = rng.dirichlet(np.ones(6), size=40)
+    expected = np.mean([roc_auc_score(y == c, probs[:, c]) for c in (0, 1, 3, 4)])
+    assert 0.3 < expected < 0.7
+    assert auc_score(y, probs) == pytest.approx(expected, abs=1e-12)
 
 
 def test_a_torn_last_line_is_left_out_and_resume_rewrites_the_file(tmp_path):

@@ -24,7 +24,9 @@ def auc_score(y_true: np.ndarray, probs: np.ndarray) -> float:
         return float("nan")
     if probs.shape[1] == 2:
         return float(roc_auc_score(y_true, probs[:, 1]))
-    scores = [roc_auc_score(y_true == c, probs[:, c]) for c in present]
+    # One call over the present classes' indicator columns (sklearn's multilabel form, ``average=None``): the same
+    # per-class scores as one call per class, with the input checks done once.
+    scores = roc_auc_score(y_true[:, None] == present[None, :], probs[:, present], average=None)
     return float(np.mean(scores))
 
 
