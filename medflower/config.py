@@ -188,6 +188,13 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "a node whose claimed site name does not match is refused. Empty = no registry",
     ),
     Option(
+        "run-figures",
+        True,
+        "draw the run folder's curves.png (test metrics per round) and sites.png (each site's final metrics) at the "
+        "end of the run; false = neither (summary.md then shows none; an experiment file's comparison draws its own "
+        "from metrics.jsonl)",
+    ),
+    Option(
         "site-figures",
         4,
         "test images in each site's picture of its model's predictions at the first and the last round (ground "

@@ -246,17 +246,22 @@ class RunRecorder:
         wall_time_s: float,
         extra: Mapping[str, Any] | None = None,
         report: RunReport | None = None,
+        figures: bool = True,
     ) -> dict[str, Any]:
-        """Write summary.json, and summary.md and curves.png as ``report`` lays them out (the default: rounds)."""
+        """Write summary.json, summary.md and (``figures``: run config run-figures) curves.png and sites.png as
+        ``report`` lays them out (the default: rounds)."""
         report = report or RunReport()
         summary = self.summary(strategy, dataset, wall_time_s, extra)
         (self.run_dir / run_folder.SUMMARY_JSON).write_text(json.dumps(summary, indent=1))
         title = f"{report.title(summary)} on {dataset}"
-        report.plot(self.records("eval"), self.run_dir / run_folder.CURVES, title=title)
-        try:
-            report.plot_sites(summary, self.run_dir / SITE_BARS, title=title)
-        except Exception as err:  # a picture is never worth the run's summary
-            log(WARNING, "[medflower] no %s (%s: %s)", SITE_BARS, type(err).__name__, err)
+        for name in (run_folder.CURVES, SITE_BARS):  # a resumed run's pictures are drawn anew or not at all
+            (self.run_dir / name).unlink(missing_ok=True)
+        if figures:
+            report.plot(self.records("eval"), self.run_dir / run_folder.CURVES, title=title)
+            try:
+                report.plot_sites(summary, self.run_dir / SITE_BARS, title=title)
+            except Exception as err:  # a picture is never worth the run's summary
+                log(WARNING, "[medflower] no %s (%s: %s)", SITE_BARS, type(err).__name__, err)
         (self.run_dir / run_folder.SUMMARY_MD).write_text(report.markdown(summary, run_figures(self.run_dir)))
         if self.tracking is not None:
             names = (

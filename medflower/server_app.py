@@ -170,7 +170,9 @@ def run_and_finish(
         extra = {**strategy.summary_extra(), **(strategy.privacy.summary() if strategy.privacy else {})}
         if cfg.cross_site_evaluation:  # after the last round: the site x model matrix of the final models
             extra["cross_site"] = strategy.cross_site_evaluation(grid)
-        summary = recorder.finish(cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report())
+        summary = recorder.finish(
+            cfg.strategy, cfg.dataset, wall, extra=extra, report=strategy.report(), figures=cfg.run_figures
+        )
     except BaseException:
         if tracking is not None:
             tracking.close(failed=True)

@@ -209,6 +209,7 @@ class RunSettings:
             "overwrite",
             "keep-checkpoints",
             "site-registry",
+            "run-figures",
             "site-figures",
             "cross-site-evaluation",  # only what happens after the last round: a finished run may be resumed for it
             *TRACKING_KEYS,

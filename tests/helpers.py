@@ -25,7 +25,13 @@ TINY = {
     "lr": 0.01,
     "partition": "iid",
     "site-figures": 0,  # no pictures of the sites' predictions: the tests of them ask for some
+    "run-figures": False,  # nor curves.png and sites.png (a second of matplotlib a run): the tests of them ask for them
 }
+
+# The suites that put every registered strategy through the same checks (tests/contract/) test messages, checkpoints,
+# faults and resume, not the model: timm's own test ViT (6 blocks, 64 wide; timm tests its models with it) runs a
+# tiny run in about 60 % of ViT-Tiny's time. Tests whose numbers rest on ViT-Tiny's 12 blocks of 192 keep TINY.
+PROTOCOL = {**TINY, "backbone": "test_vit"}
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -63,6 +69,7 @@ REAL_PROCESSES = {
     "synthetic-size": 240,
     "img-size": 16,
     "patch-size": 8,
+    "backbone": "test_vit",  # as PROTOCOL's: these tests check processes and messages, not the model
     "backbone-weights": "none",
     "batch-size": 32,
     "partition": "iid",

@@ -28,6 +28,19 @@ def test_summary_uses_each_clients_last_evaluation(tmp_path):
     assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
 
 
+def test_without_run_figures_a_run_has_no_pictures_and_a_resumed_one_drops_its_old_ones(tmp_path):
+    rec = RunRecorder(tmp_path / "run")
+    for rnd in (1, 2):
+        rec.log_client(rnd, "a", "eval", {"auc": 0.5 + 0.1 * rnd, "accuracy": 0.5})
+        rec.log_server(rnd, bytes_up=10, bytes_down=20, num_failed=0, num_rejected=0)
+    rec.finish("fedavg", "synthetic", 1.0)
+    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "sites.png").is_file()
+    rec.finish("fedavg", "synthetic", 1.0, figures=False)  # the same folder finished again (an extended run)
+    assert not (tmp_path / "run" / "curves.png").exists() and not (tmp_path / "run" / "sites.png").exists()
+    markdown = (tmp_path / "run" / "summary.md").read_text()
+    assert "| **mean** |" in markdown and ".png" not in markdown
+
+
 def test_a_strategys_report_lays_out_summary_md_and_curves_png(tmp_path):
     """The recorder asks the strategy's report (FederatedStrategy.report) for the title, the method's sections,
     the per-client columns and the plot; summary.json does not depend on it."""

@@ -16,7 +16,7 @@ from medflower.contract.client import ClientRuntime
 from medflower.inprocess import run_inprocess
 from medflower.results import RunRecorder
 
-SEG = {"dataset": "synthetic-seg", "synthetic-size": 96, "site-figures": 4}
+SEG = {"dataset": "synthetic-seg", "synthetic-size": 96, "site-figures": 4, "run-figures": True}
 
 
 def pictures(folder):

@@ -18,7 +18,7 @@ from medflower.progress import Job, Progress
 from medflower.results import RunRecorder
 from medflower.tracking import RunTracking, open_tracking
 
-SMALL = {**TINY, "synthetic-size": 160}
+SMALL = {**TINY, "synthetic-size": 160, "run-figures": True}  # curves.png is one of the files tracked
 SUMMARY_FILES = ["config.json", "curves.png", "metrics.jsonl", "summary.json", "summary.md"]
 
 

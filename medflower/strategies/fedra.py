@@ -231,6 +231,10 @@ class FedRA(FederatedStrategy):
     """
 
     name = "fedra"
+    contract_case = {
+        "config": {LAYERS: "6,4,3"},
+        "why": "three capacities that fit the contract suites' 6-block test ViT (the default 12,10,8,6,4,3 needs 12)",
+    }
     global_model = True
     client_half = FedRAClient
     folds_evaluation = True  # the default round; with evaluate-in-train the training message carries the whole model

@@ -52,7 +52,7 @@ def test_proximal_term_value_and_gradient():
 
 # ----------------------------------------------------------------------------- protocol
 def test_fedavg_learns_and_writes_outputs(tiny):
-    config = tiny(**{"run-name": "fa", "num-rounds": 4})
+    config = tiny(**{"run-name": "fa", "num-rounds": 4, "run-figures": True})
     summary, grid = run_inprocess(config, num_nodes=3)
     run_dir = run_dir_of(config)
     for name in (

@@ -203,7 +203,9 @@ def test_full_protocol_beta_step_bytes_and_outputs(tiny, monkeypatch):
 
     monkeypatch.setattr(fk, "beta_step", spy)
     settings = spy_gradient_settings(monkeypatch)
-    config = tiny(**{**TASKS, "run-name": "full", "num-tasks": 3, "fedkei-k-adapter": 2, "fedkei-k-head": 1})
+    config = tiny(
+        **{**TASKS, "run-name": "full", "num-tasks": 3, "fedkei-k-adapter": 2, "fedkei-k-head": 1, "run-figures": True}
+    )
     summary, grid = run_inprocess(config, num_nodes=3)
     run_dir = run_dir_of(config)
     assert messages(grid, "train.fedkei_inner", 1) == []  # task 1 has no pool yet
