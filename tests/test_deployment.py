@@ -57,48 +57,17 @@ def server_rounds(run_dir: Path) -> list[int]:
     return [r["round"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "server"]
 
 
-def test_tls_and_supernode_auth_refuse_an_unregistered_key(tmp_path):
-    """3 authenticated SuperNodes over TLS run 2 rounds; a 4th with an unregistered key never takes part."""
+def test_over_tls_an_unregistered_key_never_joins_and_a_killed_site_returns(tmp_path):
+    """3 SuperNodes authenticated over TLS and a 4th with an unregistered key, which never takes part. With
+    evaluate-in-train (docs/deployment.md#fewer-messages-per-round), supernode-2 is killed after round 1 and started
+    again with its key: rounds 2 and 3 go on without it, it takes part again, and it loses only the evaluation its
+    training message carried. (One federation for both: each start costs minutes of process imports on 2 cores.)"""
     certs = make_keys(tmp_path / "certs", ["site-0", "site-1", "site-2", "intruder"])
     keys = {i: certs / "supernodes" / f"site-{i}.key" for i in range(3)}
     out = tmp_path / "outputs"
+    run_dir = out / "kill"
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed", tls_dir=certs, auth_keys=keys) as fed:
         fed.start_supernode(2, key=certs / "supernodes" / "intruder.key", name="intruder")
-        proc = fed.run_app(
-            {**REAL_PROCESSES, "num-rounds": 2, "min-nodes": 3, "output-dir": str(out), "run-name": "tls"}
-        )
-        summary = json.loads((out / "tls" / "summary.json").read_text())
-        intruder_log = (fed.workdir / "intruder.log").read_text()
-        assert "round 2/2 done" in proc.stdout  # progress streamed by `flwr run --stream`
-        assert "no site-registry: a site name is bound to its node only while" in proc.stdout
-        pids = [p.pid for p in fed.supernodes.values()] + [fed.superlink.pid]
-    assert sorted(summary["per_client"]) == ["site-0", "site-1", "site-2"]
-    assert summary["strategy"] == "fedavg" and summary["rounds"] == 2 and summary["communication"]["bytes_up"] > 0
-    # Only our own processes were started and they are gone now.
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-    # Three sites answered every message: the intruder never got a node id.
-    assert summary["communication"]["failed_replies"] == 0
-    assert "intruder" not in json.dumps(summary)
-    assert "Failed to activate SuperNode" in intruder_log
-
-
-def test_insecure_connection_to_tls_superlink_is_refused(tmp_path):
-    certs = make_keys(tmp_path / "certs", [])
-    with LoopbackFederation(num_supernodes=0, workdir=tmp_path / "fed", tls_dir=certs) as fed:
-        fed.write_connection()
-        config = fed.flwr_home / "config.toml"
-        config.write_text(config.read_text().replace(f'root-certificates = "{certs / "ca.crt"}"', "insecure = true"))
-        proc = fed.flwr("ls", "loopback", check=False, timeout=60)
-    assert proc.returncode != 0
-
-
-def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
-    """With evaluate-in-train (docs/deployment.md#fewer-messages-per-round): a site lost mid-run loses only the
-    evaluation its training message carried."""
-    out = tmp_path / "outputs"
-    run_dir = out / "kill"
-    with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
         fed.start_run(
             {
                 **REAL_PROCESSES,
@@ -121,6 +90,17 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
         wait_for(lambda: 2 in server_rounds(run_dir), 300, "round 2 without site 2", fed)
         fed.start_supernode(2)
         wait_for(lambda: (run_dir / "summary.json").is_file(), 600, "the run to finish", fed)
+        stream = (fed.workdir / "flwr-run-0.log").read_text()
+        intruder_log = (fed.workdir / "intruder.log").read_text()
+        pids = [p.pid for p in fed.supernodes.values()] + [fed.superlink.pid]
+    assert "round 4/4 done" in stream  # progress streamed by `flwr run --stream`
+    assert "no site-registry: a site name is bound to its node only while" in stream
+    # Only our own processes were started and they are gone now.
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    # The intruder never got a node id: no record and no failure names it.
+    assert "Failed to activate SuperNode" in intruder_log
+    assert "intruder" not in (run_dir / "metrics.jsonl").read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = {
         rnd: {r["client"] for r in records if r["kind"] == "train" and r["round"] == rnd} for rnd in (1, 2, 3, 4)
@@ -137,7 +117,19 @@ def test_killed_supernode_round_goes_on_and_site_returns(tmp_path):
     phases = [r["phase_s"] for r in records if r["kind"] == "server" and "phase_s" in r]
     assert ["evaluate" in p for p in phases] == [False, False, False, True]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rounds"] == 4 and summary["communication"]["failed_replies"] >= 1
+    assert summary["strategy"] == "fedavg" and summary["rounds"] == 4 and summary["communication"]["bytes_up"] > 0
+    assert sorted(summary["per_client"]) == ["site-0", "site-1", "site-2"]
+    assert summary["communication"]["failed_replies"] >= 1
+
+
+def test_insecure_connection_to_tls_superlink_is_refused(tmp_path):
+    certs = make_keys(tmp_path / "certs", [])
+    with LoopbackFederation(num_supernodes=0, workdir=tmp_path / "fed", tls_dir=certs) as fed:
+        fed.write_connection()
+        config = fed.flwr_home / "config.toml"
+        config.write_text(config.read_text().replace(f'root-certificates = "{certs / "ca.crt"}"', "insecure = true"))
+        proc = fed.flwr("ls", "loopback", check=False, timeout=60)
+    assert proc.returncode != 0
 
 
 def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
