@@ -69,7 +69,7 @@ REAL_PROCESSES = {
     "synthetic-size": 240,
     "img-size": 16,
     "patch-size": 8,
-    "backbone": "test_vit",  # as PROTOCOL's: these tests check processes and messages, not the model
+    "backbone": PROTOCOL["backbone"],  # these tests check processes and messages, not the model
     "backbone-weights": "none",
     "batch-size": 32,
     "partition": "iid",

@@ -58,6 +58,15 @@ def site(tmp_path, node: dict, rnd: int, **run_config) -> ClientRuntime:
     return ClientRuntime(cfg, context, {"round": rnd, **server}, 0, 2)
 
 
+def test_without_run_figures_the_server_draws_neither_the_curves_nor_the_bars(tiny):
+    config = tiny(**{"run-name": "plain", "num-rounds": 1, "run-figures": False, "site-figures": 0})
+    run_inprocess(config, num_nodes=2)
+    run_dir = run_dir_of(config)
+    assert pictures(run_dir) == []
+    assert "| **mean** |" in (run_dir / "summary.md").read_text()
+    assert ".png" not in (run_dir / "summary.md").read_text()
+
+
 def test_a_supernode_draws_only_into_its_own_figures_dir_and_nowhere_without_one(tmp_path):
     metrics = site(tmp_path, {}, 1).evaluate_splits()
     assert "dice" in metrics
