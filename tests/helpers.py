@@ -13,12 +13,16 @@ import torch
 # The repository's root, wherever under tests/ the module using it lives.
 ROOT = Path(__file__).resolve().parent.parent
 
-# Small and fast: the synthetic source, a ViT-Tiny at 16x16 with 8x8 patches.
+# Small and fast: the synthetic source at 16x16 with 8x8 patches on timm's own test ViT (6 blocks, 64 wide; timm
+# tests its models with it), which runs a tiny run in about 60 % of ViT-Tiny's time. Most tests check messages,
+# checkpoints, faults, resume and maths, not the model; a test whose numbers rest on ViT-Tiny's 12 blocks of 192 (a
+# layer or frequency budget) or whose learning check it needs asks for backbone='vit-tiny' and says why.
 TINY = {
     "dataset": "synthetic",
     "synthetic-size": 320,
     "img-size": 16,
     "patch-size": 8,
+    "backbone": "test_vit",
     "backbone-weights": "none",
     "num-rounds": 3,
     "batch-size": 32,
@@ -27,11 +31,6 @@ TINY = {
     "site-figures": 0,  # no pictures of the sites' predictions: the tests of them ask for some
     "run-figures": False,  # nor curves.png and sites.png (a second of matplotlib a run): the tests of them ask for them
 }
-
-# The suites that put every registered strategy through the same checks (tests/contract/) test messages, checkpoints,
-# faults and resume, not the model: timm's own test ViT (6 blocks, 64 wide; timm tests its models with it) runs a
-# tiny run in about 60 % of ViT-Tiny's time. Tests whose numbers rest on ViT-Tiny's 12 blocks of 192 keep TINY.
-PROTOCOL = {**TINY, "backbone": "test_vit"}
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
@@ -69,7 +68,7 @@ REAL_PROCESSES = {
     "synthetic-size": 240,
     "img-size": 16,
     "patch-size": 8,
-    "backbone": PROTOCOL["backbone"],  # these tests check processes and messages, not the model
+    "backbone": TINY["backbone"],  # these tests check processes and messages, not the model
     "backbone-weights": "none",
     "batch-size": 32,
     "partition": "iid",

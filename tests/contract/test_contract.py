@@ -2,10 +2,10 @@
 runs one shared tester over a case matrix).
 
 Parametrised over ``sorted(STRATEGIES)``: a strategy is covered the moment it registers. What a strategy needs
-beyond the plain ``PROTOCOL`` config (tests/helpers.py: ``TINY`` on timm's test ViT) is its class's ``contract_case``
-(a protocol's base states it once for its family, so its baselines inherit it); without one it runs with
-``PROTOCOL`` and the default expectations (it sends arrays both ways every round, logs a valid training reply as a
-"train" record).
+beyond the plain ``TINY`` config (tests/helpers.py: the synthetic source on timm's test ViT) is its class's
+``contract_case`` (a protocol's base states it once for its family, so its baselines inherit it); without one it
+runs with ``TINY`` and the default expectations (it sends arrays both ways every round, logs a valid training reply
+as a "train" record).
 
 Three runs per strategy, 3 in-process nodes, all with the same faults (``Faults``); R rounds, a stop after round
 S (``Case.stop_after``, default R - 1):
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message
-from helpers import PROTOCOL, ROOT, records, restart_processes, run_dir_of
+from helpers import ROOT, TINY, records, restart_processes, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.contract import Checkpointer, ClientRuntime
@@ -226,7 +226,7 @@ def runs(request, tmp_path_factory) -> Runs:
     name = request.param
     case = case_of(name)
     faults = Faults(case)
-    config = {**PROTOCOL, "output-dir": str(tmp_path_factory.mktemp(name)), "strategy": name, **case.config}
+    config = {**TINY, "output-dir": str(tmp_path_factory.mktemp(name)), "strategy": name, **case.config}
     full, stopped = {**config, "run-name": "uninterrupted"}, {**config, "run-name": "stopped"}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(InProcessGrid, "send_and_receive", faults.wrap(InProcessGrid.send_and_receive))

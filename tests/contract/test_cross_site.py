@@ -12,7 +12,7 @@ import json
 from collections import Counter
 
 import pytest
-from helpers import PROTOCOL, records
+from helpers import TINY, records
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.evaluation import scalar_metrics
@@ -21,7 +21,7 @@ from medflower.inprocess import run_inprocess
 from medflower.options import ConfigError
 from medflower.strategies import STRATEGIES
 
-SMALL = {**PROTOCOL, "synthetic-size": 96, "num-rounds": 2, "batch-size": 16}
+SMALL = {**TINY, "synthetic-size": 96, "num-rounds": 2, "batch-size": 16}
 NODES = 2
 
 

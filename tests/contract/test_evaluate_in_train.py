@@ -13,7 +13,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import PROTOCOL, ROOT, records, run_dir_of, site_runtime
+from helpers import ROOT, records, run_dir_of, site_runtime
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract.checkpoint import Checkpointer
@@ -81,7 +81,7 @@ def test_the_folding_strategies_are_the_ones_with_a_single_training_phase():
 def test_a_folded_run_measures_and_trains_what_the_unfolded_run_does(tiny, strategy):
     rounds, nodes = 3, 3
     case = STRATEGIES[strategy].contract_case.get("config", {})  # what it needs beyond TINY (SCAFFOLD: plain SGD)
-    base = tiny(strategy=strategy, **{"num-rounds": rounds, "backbone": PROTOCOL["backbone"], **case})
+    base = tiny(strategy=strategy, **{"num-rounds": rounds, **case})
     plain, plain_grid = run_inprocess({**base, "run-name": "plain"}, nodes)
     folded, folded_grid = run_inprocess({**base, "run-name": "folded", "evaluate-in-train": True}, nodes)
     a, b = run_dir_of({**base, "run-name": "plain"}), run_dir_of({**base, "run-name": "folded"})

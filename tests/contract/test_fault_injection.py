@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
-from helpers import PROTOCOL, records, restart_processes, run_dir_of
+from helpers import TINY, records, restart_processes, run_dir_of
 from test_contract import canonical, case_of, same_arrays
 
 from medflower.contract import Checkpointer
@@ -218,7 +218,7 @@ class Pair:
 def pair(request, tmp_path_factory) -> Pair:
     name = request.param
     case = case_of(name)
-    base = {**PROTOCOL, "output-dir": str(tmp_path_factory.mktemp(f"faults-{name}")), "strategy": name, **case.config}
+    base = {**TINY, "output-dir": str(tmp_path_factory.mktemp(f"faults-{name}")), "strategy": name, **case.config}
     index = sorted(STRATEGIES).index(name)
     runs = {}
     for faulty in (True, False):

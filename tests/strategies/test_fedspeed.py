@@ -216,7 +216,7 @@ def test_without_the_perturbation_it_is_feddyn_with_alpha_one_over_lambda(tiny):
 
 
 def test_fedspeed_learns_in_process(tiny):
-    config = tiny(strategy="fedspeed", lr=0.003, **{"run-name": "speed", "num-rounds": 4})
+    config = tiny(strategy="fedspeed", backbone="vit-tiny", lr=0.003, **{"run-name": "speed", "num-rounds": 4})
     summary, _ = run_inprocess(config, num_nodes=3)
     evals = records(run_dir_of(config), "eval")
     first = np.mean([r["auc"] for r in evals if r["round"] == 1])

@@ -257,7 +257,7 @@ def test_lat_layers_all_sends_every_adapter_and_lat_uses_fedavg_weights(tiny):
     s1, g1 = run_inprocess(one, num_nodes=2)
     s2, g2 = run_inprocess(allc, num_nodes=2)
     up1, up2 = s1["communication"]["bytes_up"], s2["communication"]["bytes_up"]
-    assert up2 == 12 * up1  # ViT-Tiny has 12 blocks, LoRA on each qkv: all = 12 x the lowest
+    assert up2 == 6 * up1  # TINY's test ViT has 6 blocks, LoRA on each qkv: all = 6 x the lowest
     w = np.array(records(run_dir_of(one), "server")[0]["sgca_W"])
     np.testing.assert_allclose(w[0], w[1])
     sizes = [r["num-examples"] for r in records(run_dir_of(one), "train")]
@@ -326,11 +326,13 @@ SEG = {"partition": "natural", "adapter": "bottleneck", "img-size": 32, "sgca-so
 
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_trained_alike_sites_weigh_each_other_more_than_the_different_one(tiny, tmp_path, metric):
-    """Three segfolder sites: a and b rendered in the same style, c in another; real local training."""
+    """Three segfolder sites: a and b rendered in the same style, c in another; real local training. On ViT-Tiny:
+    after 2 rounds the 64-wide test ViT's adapters are too alike for the cosine metric to order the sites."""
     from medflower.data.synthetic_seg import write_segfolder
 
     root = write_segfolder(tmp_path / "data", {"a-hosp": 0, "b-hosp": 0, "c-hosp": 1}, per_site=60, size=32, seed=0)
     config = tiny(
+        backbone="vit-tiny",
         strategy="sgca",
         dataset=f"segfolder:{root}",
         **SEG,

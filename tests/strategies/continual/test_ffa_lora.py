@@ -41,7 +41,8 @@ def test_a_stays_bit_identical_only_b_and_head_travel_and_task_two_starts_from_t
     monkeypatch.setattr(FFALoRAClient, "finetune", spy_finetune)
     monkeypatch.setattr(FFALoRAClient, "upload", spy_upload)
     skewed = {"partition": "dirichlet", "dirichlet-alpha": 5.0, "synthetic-size": 800}
-    config = tiny(**{**TASKS, **skewed, "strategy": "ffa-lora", "run-name": "ffa"})
+    # ViT-Tiny: the learning check below (AUC above 0.65) is not reached by the 64-wide test ViT in these rounds
+    config = tiny(**{**TASKS, **skewed, "strategy": "ffa-lora", "run-name": "ffa", "backbone": "vit-tiny"})
     summary, grid = run_inprocess(config, num_nodes=2)
     run_dir = run_dir_of(config)
 
@@ -50,7 +51,7 @@ def test_a_stays_bit_identical_only_b_and_head_travel_and_task_two_starts_from_t
     for trained, initial in at_upload:
         a_names = [k for k in trained if ".lora_A." in k]
         b_names = [k for k in trained if ".lora_B." in k]
-        assert len(a_names) == len(b_names) == 12
+        assert len(a_names) == len(b_names) == 12  # one per block of ViT-Tiny
         assert all(np.array_equal(trained[k], initial[k]) for k in a_names)
         assert all(not np.array_equal(trained[k], initial[k]) for k in [*b_names, "head.weight"])
 

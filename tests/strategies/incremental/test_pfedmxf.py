@@ -24,6 +24,13 @@ from medflower.strategies.incremental import pfedmxf as mx
 from medflower.strategies.incremental.protocol import HEAD
 
 
+@pytest.fixture
+def tiny(tiny):
+    """TINY on ViT-Tiny: the frequency budgets below (n-frequency, pfedmxf-n-frequency) count the coordinates of its
+    192x192 q/k matrices, which timm's 64-wide test ViT has too few of."""
+    return lambda **overrides: tiny(**{"backbone": "vit-tiny", **overrides})
+
+
 def spectral_updates(coords_per_site, values_per_site, shape, scale=1.0):
     return [
         spectral_delta(torch.as_tensor(spectral.dense_spectrum(c, v, shape)), scale).double()

@@ -20,6 +20,8 @@ MIXED = {
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"
+WIDTH, HIDDEN = 64, 192  # TINY's test ViT (timm's test_vit): embedding width, MLP width (mlp_ratio 3)
+EIGHTH = HIDDEN // 8  # what a site of capacity 1/8 keeps of that MLP
 
 
 def capture(monkeypatch):
@@ -44,8 +46,8 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
     assert set(by_client) == {"client-0", "client-1", "client-2"}
     for client, capacity in (("client-0", 0.5), ("client-1", 0.125), ("client-2", 0.25)):
         arrays = by_client[client].arrays
-        k = kept_count(768, capacity)
-        assert arrays[FFN + ".fc1.weight"].shape == (k, 192) and arrays[FFN + ".fc2.weight"].shape == (192, k)
+        k = kept_count(HIDDEN, capacity)
+        assert arrays[FFN + ".fc1.weight"].shape == (k, WIDTH) and arrays[FFN + ".fc2.weight"].shape == (WIDTH, k)
         assert arrays["kept/" + FFN].shape == (k,) and arrays["kept/" + FFN].dtype == np.int64
         assert not any(name.startswith(("backbone.head", "decoder.", "head.")) for name in arrays)  # stays home
     spreads = {c: r.metrics["feature-spread"] for c, r in by_client.items()}
@@ -54,7 +56,7 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
     np.testing.assert_allclose(after[name], sum(w[c] * by_client[c].arrays[name] for c in w), rtol=1e-5, atol=1e-6)
     kept = {c: by_client[c].arrays["kept/" + FFN] for c in by_client}
     rows = after[FFN + ".fc1.bias"]
-    holders = {int(i): [c for c in kept if i in kept[c]] for i in range(768)}
+    holders = {int(i): [c for c in kept if i in kept[c]] for i in range(HIDDEN)}
     for neuron, clients in holders.items():
         if not clients:  # no site kept it: unchanged
             assert rows[neuron] == before[FFN + ".fc1.bias"][neuron]
@@ -91,16 +93,16 @@ def test_segmentation_and_classification_sites_share_only_the_encoder(tiny):
 @pytest.mark.parametrize(
     "strategy, first, second",
     [
-        ("heterofl", np.arange(96), np.arange(96)),
-        ("fedrolex", np.arange(96), np.arange(1, 97)),
-        ("submodel-fedprox", np.arange(96), np.arange(96)),
+        ("heterofl", np.arange(EIGHTH), np.arange(EIGHTH)),
+        ("fedrolex", np.arange(EIGHTH), np.arange(1, EIGHTH + 1)),
+        ("submodel-fedprox", np.arange(EIGHTH), np.arange(EIGHTH)),
     ],
 )
 def test_the_baselines_keep_the_neurons_they_claim(tiny, monkeypatch, strategy, first, second):
     captured = capture(monkeypatch)
     run_inprocess(tiny(**{**MIXED, "strategy": strategy, "run-name": strategy}), num_nodes=3)
     for rnd, expected in ((1, first), (2, second)):
-        reply = next(r for r in captured[rnd][0] if r.client == "client-1")  # capacity 1/8: 96 of 768
+        reply = next(r for r in captured[rnd][0] if r.client == "client-1")  # capacity 1/8: the first eighth
         np.testing.assert_array_equal(reply.arrays["kept/" + FFN], expected)
 
 
@@ -162,7 +164,7 @@ def test_local_training_with_capacities_continues_the_sites_own_prefix_sub_model
 
     folder = run_dir_of(config) / "client-state" / "partition-1" / "submodel"
     first, second = load_file(str(folder / "round-1.safetensors")), load_file(str(folder / "round-2.safetensors"))
-    np.testing.assert_array_equal(first["kept/" + FFN], np.arange(96))
+    np.testing.assert_array_equal(first["kept/" + FFN], np.arange(EIGHTH))
     assert not np.allclose(first[FFN + ".fc1.weight"], second[FFN + ".fc1.weight"])  # round 2 went on from round 1
 
 
@@ -206,8 +208,8 @@ def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_
     reply = {rnd: next(r for r in captured[rnd][0] if r.client == "client-1") for rnd in (1, 2)}
     fc1 = FFN + ".fc1.weight"
     for rnd in (1, 2):
-        np.testing.assert_array_equal(reply[rnd].arrays["kept/" + FFN], np.arange(96))  # HeteroFL's prefix
-        assert reply[rnd].arrays[fc1].shape == (96, 192)
+        np.testing.assert_array_equal(reply[rnd].arrays["kept/" + FFN], np.arange(EIGHTH))  # HeteroFL's prefix
+        assert reply[rnd].arrays[fc1].shape == (EIGHTH, WIDTH)
         assert not any(k.startswith(("decoder.", "head.", "global-path/")) for k in reply[rnd].arrays)
         # what the site sent is its global-model update, not its personal model (which stays home)
         assert not np.allclose(reply[rnd].arrays[fc1], saved[rnd - 1][fc1])
@@ -220,7 +222,7 @@ def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_
     assert mu == 0.5
     np.testing.assert_array_equal(start[fc1], saved[0][fc1])  # the personal model goes on from round 1
     merged = captured[1][2]  # the global encoder after round 1, cut to the site's prefix: w^t of round 2
-    np.testing.assert_allclose(anchor[fc1], merged[fc1][:96], rtol=1e-6)
+    np.testing.assert_allclose(anchor[fc1], merged[fc1][:EIGHTH], rtol=1e-6)
 
 
 def test_ditto_with_lambda_zero_still_keeps_a_personal_model(tiny):

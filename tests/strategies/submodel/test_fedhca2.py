@@ -31,16 +31,17 @@ MIXED = {
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"
+WIDTH, HIDDEN = 64, 192  # TINY's test ViT (timm's test_vit): embedding width, MLP width (mlp_ratio 3)
 
 
 def pad(name: str, value: np.ndarray) -> np.ndarray:
-    """A sub-encoder array in ViT-Tiny's full shape (d_ffn = 768), zeros for the neurons the site lacks."""
+    """A sub-encoder array in the full encoder's shape (d_ffn = HIDDEN), zeros for the neurons the site lacks."""
     if name.endswith((".mlp.fc1.weight", ".mlp.fc1.bias")):
-        full = np.zeros((768, *value.shape[1:]))
+        full = np.zeros((HIDDEN, *value.shape[1:]))
         full[: value.shape[0]] = value
         return full
     if name.endswith(".mlp.fc2.weight"):
-        full = np.zeros((value.shape[0], 768))
+        full = np.zeros((value.shape[0], HIDDEN))
         full[:, : value.shape[1]] = value
         return full
     return value
@@ -182,7 +183,7 @@ def test_a_mixed_run_aggregates_encoders_conflict_averse_and_seg_decoders_by_cro
         by_client = {r.client: r for r in replies}
         for client, capacity in (("client-0", 0.5), ("client-1", 0.125), ("client-2", 0.25)):
             arrays = by_client[client].arrays
-            assert arrays[FFN + ".fc1.weight"].shape == (kept_count(768, capacity), 192)
+            assert arrays[FFN + ".fc1.weight"].shape == (kept_count(HIDDEN, capacity), WIDTH)
             assert not any(k.startswith(("decoder.out.", "head.")) for k in arrays)  # task heads stay home
         assert any(k.startswith("decoder.proj") for k in by_client["client-1"].arrays)  # seg decoder body goes up
         assert not any(k.startswith("decoder.") for k in by_client["client-2"].arrays)  # the classifier has none

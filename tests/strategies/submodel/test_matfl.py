@@ -246,7 +246,7 @@ def test_segmentation_and_classification_sites_each_receive_their_groups_encoder
     assert "accuracy" in per_client["client-2"] and "dice" not in per_client["client-2"]
     replies, personal, extra = seen[1]
     for r in replies:  # HeteroFL's prefix of each site's capacity; no decoder or head leaves a site
-        k = {"client-0": 384, "client-1": 96, "client-2": 192}[r.client]
+        k = {"client-0": 96, "client-1": 24, "client-2": 48}[r.client]  # of the test ViT's 192
         np.testing.assert_array_equal(r.arrays["kept/" + VIT_FFN], np.arange(k))
         assert not any(name.startswith(("decoder.", "head.")) for name in r.arrays)
     groups = extra["matfl_groups"]
