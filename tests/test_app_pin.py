@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import records, run_dir_of
+from helpers import REAL_PROCESSES, records, run_dir_of
 
 from medflower import app_pin
 from medflower.app_pin import AppIdentity, AppPinError, check_pin
@@ -197,11 +197,7 @@ def test_on_loopback_a_pinned_site_refuses_another_app_and_trusted_entities_refu
         supernode_args={2: ["--trusted-entities", str(trusted)]},
     ) as fed:
         config = {
-            "synthetic-size": 240,
-            "img-size": 16,
-            "patch-size": 8,
-            "backbone-weights": "none",
-            "partition": "iid",
+            **REAL_PROCESSES,
             "num-rounds": 1,
             "min-nodes": 3,
             "output-dir": str(out),

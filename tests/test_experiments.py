@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import TINY
 
 from medflower.experiments import (
     ExperimentFileError,
@@ -20,6 +21,7 @@ TINY_BASE = {
     "synthetic-size": 240,
     "img-size": 16,
     "patch-size": 8,
+    "backbone": TINY["backbone"],  # these tests check the runner, not the model
     "backbone-weights": "none",
     "num-rounds": 2,
     "partition": "iid",
@@ -259,7 +261,7 @@ def test_a_pretrain_entry_builds_the_stand_in_once_before_the_runs_that_load_it(
         "name": "stand-in",
         "pretrain": {str(out): "--dataset synthetic-seg --size 80 --epochs 1 --img-size 16 --batch-size 16"},
         "base": TINY_BASE,
-        "runs": [{"name": "pretrained", "backbone-weights": str(out)}],
+        "runs": [{"name": "pretrained", "backbone": "vit-tiny", "backbone-weights": str(out)}],  # the stand-in's
     }
     loaded = load_plan(write_yaml(tmp_path / "s.yaml", plan))  # the file does not exist yet: it will be built
     build_stand_ins(loaded)

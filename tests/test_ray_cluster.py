@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REAL_PROCESSES
 
 from medflower.loopback import LoopbackFederation, free_port, stop_process_group, wait_for_port
 
@@ -62,12 +63,8 @@ def test_simulation_runs_on_an_existing_two_node_ray_cluster(tmp_path):
         ) as fed:
             proc = fed.run_app(
                 {
-                    "synthetic-size": 240,
-                    "img-size": 16,
-                    "patch-size": 8,
-                    "backbone-weights": "none",
+                    **REAL_PROCESSES,
                     "num-rounds": 1,
-                    "partition": "iid",
                     "output-dir": str(out),
                     "run-name": "ray",
                 }
