@@ -315,6 +315,11 @@ class FedALA(FederatedStrategy):
     """
 
     name = "fedala"
+    contract_case = {
+        "config": {"ala-max-epochs": 2},
+        "why": "the contract suites check messages, checkpoints and resume; W's training to convergence (up to 20 "
+        "epochs in a site's first ALA) is tests/strategies/test_fedala.py's",
+    }
     client_half = FedALAClient
     folds_evaluation = True  # its evaluate is the ALA its next training starts from
     options = OPTIONS
