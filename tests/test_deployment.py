@@ -170,16 +170,18 @@ def test_superlink_killed_after_round_resumes_to_the_same_arrays(tmp_path):
 
 
 def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_path):
-    """SecAgg+ with real SuperNodes: supernode-2 is killed when the masked-vector stage of round 2 reaches it (its
-    9th message: query, then four SecAgg+ stages and an evaluation per round), after it shared its key shares. The
-    other two sites' shares unmask the sum, round 2 trains on two sites and the run finishes."""
+    """SecAgg+ with real SuperNodes: supernode-2 is killed when the masked-vector stage of round 1 reaches it (its
+    4th message: the query, then SecAgg+'s setup, key-share and masked-vector stages), after it shared its key
+    shares. The other two sites' shares unmask the sum, the round trains on two sites and the run finishes. (One
+    round: a second round of three sites would only repeat, minutes of process starts later, what the in-process
+    tests of tests/privacy/test_secagg.py check.)"""
     out = tmp_path / "outputs"
     run_dir = out / "secagg"
     with LoopbackFederation(num_supernodes=3, workdir=tmp_path / "fed") as fed:
         fed.start_run(
             {
                 **REAL_PROCESSES,
-                "num-rounds": 2,
+                "num-rounds": 1,
                 "min-nodes": 3,
                 # each SecAgg+ stage starts a ClientApp process per site (~6 s of imports each, 3 at once on 2
                 # cores); 25 s halted every round when other work shared the cores
@@ -190,10 +192,10 @@ def test_secagg_survives_a_supernode_killed_in_the_middle_of_the_protocol(tmp_pa
             }
         )
         received = fed.workdir / "supernode-2.log"
-        wait_for(lambda: received.read_text().count("Received successfully") >= 9, 400, "round 2's masked stage", fed)
+        wait_for(lambda: received.read_text().count("Received successfully") >= 4, 400, "the masked stage", fed)
         fed.stop(fed.supernodes["supernode-2"], signal.SIGKILL)
         wait_for(lambda: (run_dir / "summary.json").is_file(), 400, "the run to finish", fed)
     server = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     secure = {r["round"]: r["secagg_sites"] for r in server if r["kind"] == "server"}
-    assert secure == {1: 3, 2: 2}, secure
-    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
+    assert secure == {1: 2}, secure
+    assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 1
