@@ -31,6 +31,11 @@ TINY = {
     "site-figures": 0,  # no pictures of the sites' predictions: the tests of them ask for some
     "run-figures": False,  # nor curves.png and sites.png (a second of matplotlib a run): the tests of them ask for them
 }
+# TINY's test ViT in numbers, for the tests that count its arrays or shapes: blocks, embedding width and MLP width
+# (mlp_ratio 3); tests/models/test_models.py checks them against the built model.
+TINY_BLOCKS, TINY_WIDTH, TINY_MLP = 6, 64, 192
+# What a test that rests on ViT-Tiny (12 blocks of 192) adds to TINY.
+VIT_TINY = {"backbone": "vit-tiny"}
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from helpers import TINY, TINY_BLOCKS, TINY_MLP, TINY_WIDTH
 from safetensors.torch import save_file
 from torch import nn
 
@@ -69,6 +70,16 @@ def empty_caches(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ names / spec
+
+
+def test_the_tiny_runs_numbers_are_the_test_vits():
+    """tests/helpers.py's TINY_BLOCKS, TINY_WIDTH and TINY_MLP, which other tests count with, are TINY's model."""
+    vit = build_classifier(
+        ModelSpec(backbone=TINY["backbone"], img_size=TINY["img-size"], patch_size=TINY["patch-size"], weights="none"),
+        2,
+    ).backbone
+    assert len(vit.blocks) == TINY_BLOCKS and vit.embed_dim == TINY_WIDTH
+    assert all(block.mlp.fc1.out_features == TINY_MLP for block in vit.blocks)
 
 
 def test_resolve_backbone_aliases_and_timm_names():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
-from helpers import TINY, records, run_dir_of, site_runtime
+from helpers import TINY, VIT_TINY, records, run_dir_of, site_runtime
 from torch import nn
 
 from medflower.config import ExperimentConfig, defaults
@@ -76,10 +76,7 @@ def test_each_layer_is_the_weighted_mean_of_the_sites_allocated_it_by_hand():
 
 
 # ----------------------------------------------------------------------------- a site
-# The tests below count ViT-Tiny's 12 blocks (FedRA's default fedra-layers is all of them); TINY's test ViT has 6.
-VIT_TINY = {"backbone": "vit-tiny"}
-
-
+# The tests below count ViT-Tiny's 12 blocks (FedRA's default fedra-layers is all of them): they run on it.
 @pytest.fixture
 def tiny(tiny):
     return lambda **overrides: tiny(**{**VIT_TINY, **overrides})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
-from helpers import TINY, half_mse, records, run_dir_of
+from helpers import TINY, VIT_TINY, half_mse, records, run_dir_of
 
 from medflower.config import ExperimentConfig, defaults
 from medflower.contract import ClientRuntime, Reply, from_record, to_record
@@ -216,7 +216,7 @@ def test_without_the_perturbation_it_is_feddyn_with_alpha_one_over_lambda(tiny):
 
 
 def test_fedspeed_learns_in_process(tiny):
-    config = tiny(strategy="fedspeed", backbone="vit-tiny", lr=0.003, **{"run-name": "speed", "num-rounds": 4})
+    config = tiny(strategy="fedspeed", **VIT_TINY, lr=0.003, **{"run-name": "speed", "num-rounds": 4})
     summary, _ = run_inprocess(config, num_nodes=3)
     evals = records(run_dir_of(config), "eval")
     first = np.mean([r["auc"] for r in evals if r["round"] == 1])

@@ -5,7 +5,7 @@ array for array, what the servers send, resume, and bad option values."""
 import numpy as np
 import pytest
 import torch
-from helpers import INCREMENTAL, TINY, records, run_dir_of
+from helpers import INCREMENTAL, TINY, TINY_WIDTH, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
@@ -211,7 +211,7 @@ def test_lwf_lora_resumes_with_the_old_head_from_its_checkpoint(tiny):
     part = tiny(**{**base, "run-name": "part", "num-tasks": 1})
     run_inprocess(part, num_nodes=2)
     meta = Checkpointer(run_dir_of(part) / "checkpoint").load()[0]
-    assert meta["lwf/head.weight"].shape == (2, 64)  # the test ViT's width
+    assert meta["lwf/head.weight"].shape == (2, TINY_WIDTH)
     run_inprocess(tiny(**{**base, "resume-from": str(run_dir_of(part))}), num_nodes=2)
     a, b = (
         Checkpointer(run_dir_of(full) / "checkpoint").load()[0],

@@ -5,7 +5,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from helpers import records, run_dir_of
+from helpers import TINY_BLOCKS, VIT_TINY, records, run_dir_of
 from scipy.spatial.distance import cdist
 
 from medflower.config import ConfigError, ExperimentConfig
@@ -257,7 +257,7 @@ def test_lat_layers_all_sends_every_adapter_and_lat_uses_fedavg_weights(tiny):
     s1, g1 = run_inprocess(one, num_nodes=2)
     s2, g2 = run_inprocess(allc, num_nodes=2)
     up1, up2 = s1["communication"]["bytes_up"], s2["communication"]["bytes_up"]
-    assert up2 == 6 * up1  # TINY's test ViT has 6 blocks, LoRA on each qkv: all = 6 x the lowest
+    assert up2 == TINY_BLOCKS * up1  # LoRA on each block's qkv: all = blocks x the lowest
     w = np.array(records(run_dir_of(one), "server")[0]["sgca_W"])
     np.testing.assert_allclose(w[0], w[1])
     sizes = [r["num-examples"] for r in records(run_dir_of(one), "train")]
@@ -332,7 +332,7 @@ def test_trained_alike_sites_weigh_each_other_more_than_the_different_one(tiny, 
 
     root = write_segfolder(tmp_path / "data", {"a-hosp": 0, "b-hosp": 0, "c-hosp": 1}, per_site=60, size=32, seed=0)
     config = tiny(
-        backbone="vit-tiny",
+        **VIT_TINY,
         strategy="sgca",
         dataset=f"segfolder:{root}",
         **SEG,

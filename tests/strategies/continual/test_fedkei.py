@@ -4,7 +4,7 @@ the β step, k-means++ clusters, the knowledge pool, the protocol in process, fa
 import numpy as np
 import pytest
 import torch
-from helpers import records, run_dir_of
+from helpers import TINY_BLOCKS, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
@@ -298,7 +298,7 @@ def test_variants_send_what_they_say_and_give_the_same_outputs(tiny, monkeypatch
     if variant == "rand":
         assert not any(m.content.array_records for m in train)  # the sites start fresh
     elif variant == "fedavg-init":
-        assert len(from_record(train[0].content["arrays"])) == 14  # the whole module: 6 blocks' A, B + the head
+        assert len(from_record(train[0].content["arrays"])) == 2 * TINY_BLOCKS + 2  # the module: A, B + head
     else:
         assert set(train[0].content["arrays"]) == {"adapter", "head"}  # cluster modules
         k = flat(train[0].content["arrays"], "adapter").shape[0]

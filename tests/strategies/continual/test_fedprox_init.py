@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
-from helpers import TINY, records, run_dir_of, site_runtime
+from helpers import TINY, TINY_BLOCKS, records, run_dir_of, site_runtime
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
@@ -73,7 +73,8 @@ def test_mu_zero_is_fedkei_fedavg_init_exactly(tiny):
         x, y = load_file(str(path)), load_file(str(other))
         assert all(np.array_equal(x[k], y[k]) for k in x)
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert not train[0].content.array_records and len(train[2].content["arrays"]) == 14  # task 2: the pool mean
+    # task 2 starts from the pool mean: each block's A and B and the head
+    assert not train[0].content.array_records and len(train[2].content["arrays"]) == 2 * TINY_BLOCKS + 2
 
 
 def test_a_large_mu_holds_the_module_near_its_start(tiny):

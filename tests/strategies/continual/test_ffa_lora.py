@@ -5,7 +5,7 @@ with the fixed A (so the mean of the pooled updates B·A is exact), bytes per ta
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, records, run_dir_of
+from helpers import TINY, VIT_TINY, records, run_dir_of
 from safetensors.numpy import load_file
 
 from medflower.config import ExperimentConfig, defaults
@@ -42,7 +42,7 @@ def test_a_stays_bit_identical_only_b_and_head_travel_and_task_two_starts_from_t
     monkeypatch.setattr(FFALoRAClient, "upload", spy_upload)
     skewed = {"partition": "dirichlet", "dirichlet-alpha": 5.0, "synthetic-size": 800}
     # ViT-Tiny: the learning check below (AUC above 0.65) is not reached by the 64-wide test ViT in these rounds
-    config = tiny(**{**TASKS, **skewed, "strategy": "ffa-lora", "run-name": "ffa", "backbone": "vit-tiny"})
+    config = tiny(**{**TASKS, **skewed, "strategy": "ffa-lora", "run-name": "ffa", **VIT_TINY})
     summary, grid = run_inprocess(config, num_nodes=2)
     run_dir = run_dir_of(config)
 

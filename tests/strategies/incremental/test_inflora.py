@@ -6,7 +6,7 @@ resume, bad config). Faults and resume after a task boundary: tests/contract/tes
 import numpy as np
 import pytest
 import torch
-from helpers import INCREMENTAL, records, restart_processes, run_dir_of, sent
+from helpers import INCREMENTAL, TINY_BLOCKS, records, restart_processes, run_dir_of, sent
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import from_record
@@ -124,8 +124,7 @@ def test_a_tiny_run_learns_with_frozen_designed_a_and_exact_b_averaging(tiny, ca
     assert [r["round"] for r in stats] == [1, 1, 1, 3, 3, 3]  # once per task, every site
     assert all(("inflora-old-examples" in r) == (r["round"] == 3) for r in stats)
     server = {r["round"]: r for r in records(run_dir, "server")}
-    # one memory per block: 6 in the test ViT
-    assert server[1]["inflora_memory"] == [0] * 6 and min(server[3]["inflora_memory"]) > 0
+    assert server[1]["inflora_memory"] == [0] * TINY_BLOCKS and min(server[3]["inflora_memory"]) > 0  # one per block
     scale = INCREMENTAL["lora-rank"] and defaults()["lora-alpha"] / INCREMENTAL["lora-rank"]
     arrays, _ = Checkpointer(run_dir / "checkpoint").load()
     for rnd, (replies, b_mean) in captured.items():

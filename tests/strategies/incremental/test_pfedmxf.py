@@ -6,7 +6,7 @@ strategy: tests/contract/test_contract.py)."""
 import numpy as np
 import pytest
 import torch
-from helpers import INCREMENTAL, records, run_dir_of, sent
+from helpers import INCREMENTAL, VIT_TINY, records, run_dir_of, sent
 from torch import nn
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
@@ -28,7 +28,7 @@ from medflower.strategies.incremental.protocol import HEAD
 def tiny(tiny):
     """TINY on ViT-Tiny: the frequency budgets below (n-frequency, pfedmxf-n-frequency) count the coordinates of its
     192x192 q/k matrices, which timm's 64-wide test ViT has too few of."""
-    return lambda **overrides: tiny(**{"backbone": "vit-tiny", **overrides})
+    return lambda **overrides: tiny(**{**VIT_TINY, **overrides})
 
 
 def spectral_updates(coords_per_site, values_per_site, shape, scale=1.0):

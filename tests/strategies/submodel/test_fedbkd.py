@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import MIXED_TASKS, records, run_dir_of
+from helpers import MIXED_TASKS, TINY_MLP, TINY_WIDTH, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.inprocess import run_inprocess
@@ -20,8 +20,7 @@ MIXED = {
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"
-WIDTH, HIDDEN = 64, 192  # TINY's test ViT (timm's test_vit): embedding width, MLP width (mlp_ratio 3)
-EIGHTH = HIDDEN // 8  # what a site of capacity 1/8 keeps of that MLP
+EIGHTH = TINY_MLP // 8  # what a site of capacity 1/8 keeps of that MLP
 
 
 def capture(monkeypatch):
@@ -46,8 +45,9 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
     assert set(by_client) == {"client-0", "client-1", "client-2"}
     for client, capacity in (("client-0", 0.5), ("client-1", 0.125), ("client-2", 0.25)):
         arrays = by_client[client].arrays
-        k = kept_count(HIDDEN, capacity)
-        assert arrays[FFN + ".fc1.weight"].shape == (k, WIDTH) and arrays[FFN + ".fc2.weight"].shape == (WIDTH, k)
+        k = kept_count(TINY_MLP, capacity)
+        assert arrays[FFN + ".fc1.weight"].shape == (k, TINY_WIDTH)
+        assert arrays[FFN + ".fc2.weight"].shape == (TINY_WIDTH, k)
         assert arrays["kept/" + FFN].shape == (k,) and arrays["kept/" + FFN].dtype == np.int64
         assert not any(name.startswith(("backbone.head", "decoder.", "head.")) for name in arrays)  # stays home
     spreads = {c: r.metrics["feature-spread"] for c, r in by_client.items()}
@@ -56,7 +56,7 @@ def test_sites_send_sub_encoders_of_their_capacity_and_the_server_merges_each_en
     np.testing.assert_allclose(after[name], sum(w[c] * by_client[c].arrays[name] for c in w), rtol=1e-5, atol=1e-6)
     kept = {c: by_client[c].arrays["kept/" + FFN] for c in by_client}
     rows = after[FFN + ".fc1.bias"]
-    holders = {int(i): [c for c in kept if i in kept[c]] for i in range(HIDDEN)}
+    holders = {int(i): [c for c in kept if i in kept[c]] for i in range(TINY_MLP)}
     for neuron, clients in holders.items():
         if not clients:  # no site kept it: unchanged
             assert rows[neuron] == before[FFN + ".fc1.bias"][neuron]
@@ -209,7 +209,7 @@ def test_ditto_sends_its_global_update_and_keeps_a_personal_sub_model_pulled_to_
     fc1 = FFN + ".fc1.weight"
     for rnd in (1, 2):
         np.testing.assert_array_equal(reply[rnd].arrays["kept/" + FFN], np.arange(EIGHTH))  # HeteroFL's prefix
-        assert reply[rnd].arrays[fc1].shape == (EIGHTH, WIDTH)
+        assert reply[rnd].arrays[fc1].shape == (EIGHTH, TINY_WIDTH)
         assert not any(k.startswith(("decoder.", "head.", "global-path/")) for k in reply[rnd].arrays)
         # what the site sent is its global-model update, not its personal model (which stays home)
         assert not np.allclose(reply[rnd].arrays[fc1], saved[rnd - 1][fc1])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import cvxpy as cp
 import numpy as np
 import pytest
-from helpers import MIXED_TASKS, records, run_dir_of
+from helpers import MIXED_TASKS, TINY_MLP, TINY_WIDTH, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer
@@ -31,17 +31,16 @@ MIXED = {
     "num-rounds": 2,
 }
 FFN = "backbone.blocks.0.mlp"
-WIDTH, HIDDEN = 64, 192  # TINY's test ViT (timm's test_vit): embedding width, MLP width (mlp_ratio 3)
 
 
 def pad(name: str, value: np.ndarray) -> np.ndarray:
-    """A sub-encoder array in the full encoder's shape (d_ffn = HIDDEN), zeros for the neurons the site lacks."""
+    """A sub-encoder array in the full encoder's shape (d_ffn = TINY_MLP), zeros for the neurons the site lacks."""
     if name.endswith((".mlp.fc1.weight", ".mlp.fc1.bias")):
-        full = np.zeros((HIDDEN, *value.shape[1:]))
+        full = np.zeros((TINY_MLP, *value.shape[1:]))
         full[: value.shape[0]] = value
         return full
     if name.endswith(".mlp.fc2.weight"):
-        full = np.zeros((value.shape[0], HIDDEN))
+        full = np.zeros((value.shape[0], TINY_MLP))
         full[:, : value.shape[1]] = value
         return full
     return value
@@ -183,7 +182,7 @@ def test_a_mixed_run_aggregates_encoders_conflict_averse_and_seg_decoders_by_cro
         by_client = {r.client: r for r in replies}
         for client, capacity in (("client-0", 0.5), ("client-1", 0.125), ("client-2", 0.25)):
             arrays = by_client[client].arrays
-            assert arrays[FFN + ".fc1.weight"].shape == (kept_count(HIDDEN, capacity), WIDTH)
+            assert arrays[FFN + ".fc1.weight"].shape == (kept_count(TINY_MLP, capacity), TINY_WIDTH)
             assert not any(k.startswith(("decoder.out.", "head.")) for k in arrays)  # task heads stay home
         assert any(k.startswith("decoder.proj") for k in by_client["client-1"].arrays)  # seg decoder body goes up
         assert not any(k.startswith("decoder.") for k in by_client["client-2"].arrays)  # the classifier has none

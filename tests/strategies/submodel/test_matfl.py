@@ -8,12 +8,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import MIXED_TASKS, TINY, records, run_dir_of
+from helpers import MIXED_TASKS, TINY, TINY_MLP, records, run_dir_of
 
 from medflower.config import ConfigError, ExperimentConfig, defaults
 from medflower.contract import Checkpointer, spec_of
 from medflower.contract.messaging import RoundStats
 from medflower.inprocess import run_inprocess
+from medflower.models.ffn_slices import kept_count
 from medflower.strategies.submodel import matfl
 from medflower.strategies.submodel.capacity_baselines import HeteroFL
 from medflower.strategies.submodel.matfl import MaTFL, MaTFLClient
@@ -246,7 +247,7 @@ def test_segmentation_and_classification_sites_each_receive_their_groups_encoder
     assert "accuracy" in per_client["client-2"] and "dice" not in per_client["client-2"]
     replies, personal, extra = seen[1]
     for r in replies:  # HeteroFL's prefix of each site's capacity; no decoder or head leaves a site
-        k = {"client-0": 96, "client-1": 24, "client-2": 48}[r.client]  # of the test ViT's 192
+        k = kept_count(TINY_MLP, {"client-0": 0.5, "client-1": 0.125, "client-2": 0.25}[r.client])
         np.testing.assert_array_equal(r.arrays["kept/" + VIT_FFN], np.arange(k))
         assert not any(name.startswith(("decoder.", "head.")) for name in r.arrays)
     groups = extra["matfl_groups"]
