@@ -93,9 +93,10 @@ def test_over_tls_an_unregistered_key_never_joins_and_a_killed_site_returns(tmp_
         stream = (fed.workdir / "flwr-run-0.log").read_text()
         intruder_log = (fed.workdir / "intruder.log").read_text()
         pids = [p.pid for p in fed.supernodes.values()] + [fed.superlink.pid]
-    # progress streamed by `flwr run --stream`. Not round 4's line: Flower 1.42's ServerApp process marks the run
-    # finished before its last log upload, and the SuperLink then ends the stream, so a run's last lines can miss it
-    # (docs/deployment.md#by-hand-on-one-machine-loopback-insecure); round 3's went up during round 4
+    # progress streamed by `flwr run --stream`. Not round 4's line: flwr 1.42's ServerApp process gives its last log
+    # upload at most a few seconds before it reports the run finished, and the SuperLink then ends the stream, so on
+    # loaded cores a run's last lines can miss it (docs/deployment.md#by-hand-on-one-machine-loopback-insecure);
+    # round 3's went up during round 4
     assert "round 3/4 done" in stream
     assert "no site-registry: a site name is bound to its node only while" in stream
     # Only our own processes were started and they are gone now.
