@@ -1,7 +1,7 @@
 """The documentation stays honest: links and anchors resolve, the run-config page, the README's methods table and
 docs/layout.md's module list are generated from the code, every default a page states is the code's, every strategy
-has a page, and every documented command names only keys, strategies, modules and files that exist. Fast: no
-training, no Flower processes."""
+has a page, every documented command names only keys, strategies, modules and files that exist, and no page points
+outside the repository or at words only its writer could see. Fast: no training, no Flower processes."""
 
 from __future__ import annotations
 
@@ -457,6 +457,27 @@ def test_docs_do_not_point_outside_the_repository():
     assert not problems, "\n".join(problems)
     bad = outside_pointers(ROOT / "docs" / "data.md", "see NOTES.md and `data-dir: ../../elsewhere/data`")
     assert len(bad) == 2 and "NOTES.md" in bad[0] and "leaves the repository" in bad[1]
+
+
+# Words that only mean something to whoever wrote them: a tracker's issue number, "this machine" or "this session"
+# (a user reads the docs on another computer, on another day).
+_UNSEEN = re.compile(r"\bissues? #?\d+|\bthis (?:machine|session)\b", re.IGNORECASE)
+
+
+def unseen_words(text: str) -> list[str]:
+    return [m.group(0) for m in _UNSEEN.finditer(text)]
+
+
+def test_docs_and_experiment_files_use_no_words_a_user_cannot_see():
+    paths = [*doc_files(), *sorted((ROOT / "experiments").glob("*.yaml"))]
+    problems = [f"{p.relative_to(ROOT)}: {w!r}" for p in paths for w in unseen_words(p.read_text())]
+    assert not problems, "\n".join(problems)
+    assert unseen_words("fixed in issue 12; measured on this machine, In This Session") == [
+        "issue 12",
+        "this machine",
+        "This Session",
+    ]
+    assert unseen_words("the issues page; a machine like this one") == []
 
 
 # ------------------------------------------------------------------------------------------- generated parts
