@@ -503,6 +503,28 @@ def test_pfedmxf_trains_spectral_q_and_k_on_litemedsam(tiny_file, tiny):
     assert records(run_dir_of(config), "eval")
 
 
+def test_fedkei_pools_lora_modules_from_inside_tinyvit(tiny_file, tiny):
+    """FedKEI's knowledge pool on LiteMedSAM: each module is LoRA in TinyViT's attention blocks plus the head, every
+    site's module after every task is pooled, and training moved the LoRA B matrices off their zero start."""
+    from safetensors.numpy import load_file
+
+    config = tiny(
+        **{"dataset": "synthetic", "backbone": "litemedsam", "backbone-weights": str(tiny_file), "img-size": 32},
+        **{"strategy": "fedkei", "num-tasks": 2, "task-epochs": 1, "batch-size": 16, "lr": 0.05},
+        **{"synthetic-size": 96, "partition": "iid", "run-name": "fedkei"},
+    )
+    run_inprocess(config, 2)
+    files = sorted((run_dir_of(config) / "checkpoint" / "pool").rglob("*.safetensors"))
+    assert [f.parent.name for f in files] == ["task-001", "task-001", "task-002", "task-002"]
+    module = load_file(str(files[0]))
+    lora = [name for name in module if name.startswith("backbone.") and "lora_" in name]
+    assert lora and all(".layers." in name and ".attn." in name for name in lora), lora
+    assert [name for name in module if not name.startswith("backbone.")], "no head arrays in the module"
+    assert any(np.abs(module[name]).max() > 0 for name in lora if "lora_B" in name)
+    evaluations = records(run_dir_of(config), "eval")
+    assert evaluations and all(np.isfinite(r["auc"]) for r in evaluations if "auc" in r)
+
+
 def test_a_run_where_nothing_trains_is_refused(tiny_file, tiny):
     config = tiny(
         **{"dataset": "synthetic", "backbone": "litemedsam", "backbone-weights": str(tiny_file), "img-size": 32},
