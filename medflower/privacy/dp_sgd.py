@@ -18,6 +18,7 @@ mask tokens, ``shared_tables()``) keeps its values under DP-SGD (``keep_shared_t
 
 from __future__ import annotations
 
+import copy
 import functools
 import secrets
 from collections.abc import Iterable
@@ -45,6 +46,23 @@ DP_SGD_OPTIONS: tuple[Option, ...] = (
 
 def _secret_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
+def _empty_batches_as_the_loader_makes_them(dp_loader, loader) -> None:
+    """Give Opacus's empty Poisson batch the shapes and dtypes of ``loader``'s own batches, from the start.
+
+    Opacus (>= 1.6) builds an empty batch from the first batch it collated. When the very first draw is empty it
+    falls back to ``torch.zeros`` with the dtypes of the dataset's first item, and a site's items are numpy arrays
+    (a cached encoder output is float16 numpy, a mask uint8): ``torch.zeros`` refuses a numpy dtype and the site's
+    round failed with a TypeError. One item collated without augmentation (so the training's augmentation draws are
+    untouched), cut to zero rows, is the batch Opacus copies instead."""
+    collate = dp_loader.collate_fn
+    if not hasattr(collate, "first_batch"):
+        raise RuntimeError("this Opacus version's loader has no first_batch; medflower's DP-SGD needs opacus>=1.6")
+    plain = copy.copy(loader.collate_fn)
+    if hasattr(plain, "augmenter"):
+        plain.augmenter = None
+    collate.first_batch = [part[:0] for part in plain([loader.dataset[0]])]
 
 
 def keep_shared_tables(model: nn.Module) -> list[str]:
@@ -127,6 +145,7 @@ class PrivateTraining:
             generator=_secret_generator(device),
         )
         dp_loader = DPDataLoader.from_data_loader(loader, generator=_secret_generator(torch.device("cpu")))
+        _empty_batches_as_the_loader_makes_them(dp_loader, loader)
         return self._module, dp_optimizer, dp_loader
 
     def step(self, optimizer, task_loss: torch.Tensor, extra_loss: torch.Tensor | None, params: Iterable[nn.Parameter]):

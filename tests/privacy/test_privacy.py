@@ -285,6 +285,45 @@ def test_dp_sgd_step_is_the_mean_of_clipped_per_sample_gradients_plus_the_extra_
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())  # hooks gone
 
 
+class _Masks(torch.utils.data.Dataset):
+    """Six (uint8 HxWx3 image, uint8 HxW mask) items, as a site's segmentation split gives them."""
+
+    img_size = 16
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        mask = np.zeros((16, 16), dtype=np.uint8)
+        mask[i : i + 4, 2:8] = 1
+        return np.full((16, 16, 3), 10 * i, dtype=np.uint8), mask
+
+
+@pytest.mark.parametrize("encoded", [True, False])
+def test_an_empty_first_poisson_batch_has_the_loaders_shapes_and_torch_dtypes(encoded):
+    """Opacus builds an empty batch from the first one it collated, or, when the very first draw is empty, from the
+    dataset's first item, whose numpy dtype (float16 for a cached encoder output) torch.zeros refused: a site's
+    round failed with a TypeError (chance (1 - q)^n: 1 % for 21 images at q = 1/5). The DP loader has the loader's
+    own empty batch now."""
+    from medflower.data.encoded import EncodedDataset
+    from medflower.data.transforms import make_loader
+
+    split = _Masks()
+    if encoded:
+        split = EncodedDataset(split, np.random.default_rng(0).normal(size=(6, 4, 2, 2)).astype(np.float16))
+    loader = make_loader(split, batch_size=2, shuffle=True, seed=0)
+    model = torch.nn.Conv2d(4 if encoded else 3, 1, 1)
+    private = PrivateTraining(noise_multiplier=1.0, max_grad_norm=1.0)
+    _, _, dp_loader = private.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, torch.device("cpu"))
+    x, y = dp_loader.collate_fn([])
+    full_x, full_y = next(iter(make_loader(split, batch_size=2, shuffle=False, seed=0)))
+    assert (x.dtype, y.dtype) == (full_x.dtype, full_y.dtype) == (torch.float32, torch.int64)
+    assert x.shape == (0, *full_x.shape[1:]) and y.shape == (0, *full_y.shape[1:])
+    batch = dp_loader.collate_fn([split[0], split[3]])  # a drawn batch is the loader's own
+    assert all(torch.equal(a, b) for a, b in zip(batch, loader.collate_fn([split[0], split[3]])))
+    private.close()
+
+
 @pytest.mark.parametrize(
     "overrides, named",
     [

@@ -86,7 +86,7 @@ def test_dp_sgd_plan_uses_the_training_loaders_length():
     sample rate 1/2 (ε 16.6 after 10 rounds at z = 1), not 3 at 1/3 (14.2)."""
     from medflower.data.transforms import make_loader
 
-    x, y = torch.zeros(65, 3, 4, 4), torch.zeros(65, dtype=torch.long)
+    x, y = torch.zeros(65, 4, 4, 3, dtype=torch.uint8), torch.zeros(65, dtype=torch.long)  # HxWx3 images
     loader = make_loader(torch.utils.data.TensorDataset(x, y), 32, shuffle=True, seed=0)
     assert batches_per_epoch(65, 32) == len(loader) == 2
     private = PrivateTraining(1.0, 1.0)
