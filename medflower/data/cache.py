@@ -122,6 +122,24 @@ class _Store:
         self.lock = threading.Lock()
         self.from_disk = self.folder is not None and self._load()
 
+    def __getstate__(self) -> dict:
+        """What a DataLoader worker started by spawn or forkserver receives (the start method of a process that was
+        itself spawned, as ``--parallel`` runs are, and Python 3.14's default): no lock, and no copy of arrays that
+        are memory-mapped from the cache folder, which the worker maps again (``__setstate__``)."""
+        state = self.__dict__.copy()
+        del state["lock"]
+        state["mapped"] = isinstance(self.images, np.memmap)
+        if state["mapped"]:
+            state["images"] = state["masks"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        mapped = state.pop("mapped", False)
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+        if mapped and not self._load():
+            raise RuntimeError(f"{self.folder}: the decoded-image cache changed while a loader worker started")
+
     def names(self) -> dict[str, Path]:
         return self.entry.paths
 

@@ -166,3 +166,24 @@ def test_segmentation_masks_are_cached_too(tmp_path):
     assert same_items(items(second.take(np.array([3, 0]))), [expected[3], expected[0]]) and again.reads == 0
     assert len(list(tmp_path.glob("*-masks.npy"))) == 1
     assert not decoded(PlaneMasks(), str(tmp_path), ("planes", 2)).cached_on_disk  # another key, another entry
+
+
+@pytest.mark.parametrize("cache", ["folder", "memory"])
+def test_loader_workers_started_by_spawn_serve_the_same_batches(tmp_path, cache):
+    """A DataLoader worker of a spawned process is spawned too (``--parallel`` runs; forkserver is Python 3.14's
+    default): it receives the dataset pickled. The store's lock made that a TypeError, and every site of a run on a
+    GPU failed. A worker now maps the cache files again instead of receiving a copy of their pixels."""
+    import pickle
+
+    import torch
+
+    spec = manifest_of_16bit_images(tmp_path / "data")
+    dataset = file_dataset(spec)
+    ready = decoded(dataset, str(tmp_path / "cache") if cache == "folder" else "", cache_key(dataset, spec))
+    expected = items(ready)
+    pickled = pickle.dumps(ready)
+    assert same_items(items(pickle.loads(pickled)), expected)
+    assert (len(pickled) < 4000) == (cache == "folder")  # six 16x16x3 images: 4.6 kB of pixels when copied
+    batches = torch.utils.data.DataLoader(ready, batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    plain = torch.utils.data.DataLoader(ready, batch_size=2)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, plain, strict=True))
