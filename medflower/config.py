@@ -25,6 +25,7 @@ from .data.spec import (
     parse_augment,
     parse_empty_slices,
     parse_intensity,
+    parse_split_limit,
     unsupported_partition,
 )
 from .data.tasks import TASK_ORDERS
@@ -274,6 +275,14 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
         "training-only augmentation, seeded: a comma list of crop:<fraction>, flip, vflip, rotate:<degrees>, "
         "jitter:<strength>; empty = none",
         parsed(parse_augment),
+        "data",
+    ),
+    Option(
+        "split-limit",
+        "",
+        "a budget: at most this many rows in a split at each site, a seeded subset stratified by label, e.g. "
+        "'train:40,val:10,test:20' (a split not named keeps all its rows); empty = every row",
+        parsed(parse_split_limit),
         "data",
     ),
     Option(

@@ -132,6 +132,7 @@ class RunSettings:
             empty_slices=self.empty_slices,
             mask_values=self.mask_values,
             augment=self.augment,
+            split_limit=self.split_limit,
             qbli_classes=self.qbli_classes,
             task_classes=self.task_classes,
             classes_per_task=self.classes_per_task,

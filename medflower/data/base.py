@@ -12,8 +12,6 @@ from torch.utils.data import Dataset
 
 from .spec import DataSpec
 
-SPLITS = ("train", "val", "test")
-
 # pandas' default NA strings (pandas._libs.parsers.STR_NA_VALUES): a manifest label written as one of these is a
 # missing label, never a class.
 NA_LABELS = frozenset(

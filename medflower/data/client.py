@@ -8,9 +8,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .cache import cache_key, decoded
-from .partition import partition_rows, source_grouping, split_client_rows
+from .partition import limit_split, partition_rows, source_grouping, split_client_rows
 from .sources import Source, open_source
-from .spec import DataError, DataSpec
+from .spec import DataError, DataSpec, parse_split_limit
 
 
 @dataclass
@@ -50,8 +50,9 @@ def split_rows(
     """``source``'s ``rows`` (one partition) split into train/val/test, seeded per partition.
 
     A source with groups is split by group, so no patient, case or video spans two splits
-    (docs/data.md#splits-without-leakage). Only the train split carries ``spec.augment`` (as ``augment``), which
-    a shuffled loader applies (docs/data.md#augmentation).
+    (docs/data.md#splits-without-leakage); ``split-limit`` then keeps a seeded, stratified subset of a split. Only
+    the train split carries ``spec.augment`` (as ``augment``), which a shuffled loader applies
+    (docs/data.md#augmentation).
     """
     source_splits = source.splits[rows] if spec.use_source_splits and source.splits is not None else None
     grouping = source_grouping(source, rows)  # refuses rows without a group, naming them
@@ -67,6 +68,8 @@ def split_rows(
         )
     except DataError as exc:
         raise DataError(f"{source.name}: partition {partition_id} of {num_partitions}: {exc}") from exc
+    for split, limit in parse_split_limit(spec.split_limit).items():  # a budget: docs/data.md#a-budget-of-rows
+        positions[split] = limit_split(positions[split], source.labels[rows], limit, seed=spec.seed + partition_id)
     sizes = ", ".join(f"{split} {len(p)}" for split, p in positions.items())
     for split, remedy in (("test", "a larger test_fraction"), ("train", "a less skewed partitioning")):
         if len(positions[split]) == 0:

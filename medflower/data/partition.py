@@ -309,6 +309,19 @@ def _hold_out(positions: np.ndarray, labels: np.ndarray, fraction: float, seed: 
         return tuple(train_test_split(positions, test_size=num_held, random_state=seed))
 
 
+def limit_split(positions: np.ndarray, labels: np.ndarray, limit: int, seed: int) -> np.ndarray:
+    """At most ``limit`` of ``positions``: a seeded subset, stratified by ``labels`` where sklearn can (as
+    ``_hold_out``), sorted. A split of one site's rows stays one site's; a subset of it never mixes splits, so the
+    groups of ``split_client_rows`` stay apart."""
+    if len(positions) <= limit:
+        return positions
+    try:
+        kept = train_test_split(positions, test_size=limit, random_state=seed, stratify=labels[positions])[1]
+    except ValueError:  # a class with fewer than 2 rows, or fewer kept rows than classes
+        kept = train_test_split(positions, test_size=limit, random_state=seed)[1]
+    return np.sort(kept)
+
+
 # ----------------------------------------------------------------------------- groups
 @dataclass(frozen=True)
 class Grouping:

@@ -24,7 +24,7 @@ import medflower.data.synthetic as synthetic
 import medflower.data.synthetic_seg as synthetic_seg
 import medflower.data.volumes as volumes
 
-from .base import MAX_LABEL, NA_LABELS, SPLITS, Source, default_class_names
+from .base import MAX_LABEL, NA_LABELS, Source, default_class_names
 from .image_datasets import (
     ArrayImageDataset,
     ImageFileDataset,
@@ -33,7 +33,7 @@ from .image_datasets import (
 )
 from .maskmap import parse_mask_values
 from .readers import check_npz, opened_path
-from .spec import SEGMENTATION_KINDS, DataError, DataSpec, list_rows
+from .spec import SEGMENTATION_KINDS, SPLITS, DataError, DataSpec, list_rows
 
 # Class names of the single-label 2D MedMNIST datasets (medmnist.INFO); others get "class-<i>".
 MEDMNIST_CLASS_NAMES: dict[str, tuple[str, ...]] = {

@@ -80,6 +80,7 @@ class DataSpec:
     empty_slices: str = "keep"  # volumes: slices without foreground: keep | drop | keep:<fraction>
     mask_values: str = ""  # '<value>=<structure>[+<structure>...],...'; '' = binary or class-index masks
     augment: str = ""  # training-only augmentation: '' or a comma list (parse_augment)
+    split_limit: str = ""  # at most this many rows per split at each site: '' or 'train:40,test:20' (parse_split_limit)
     cache_dir: str = ""  # this site's decoded-image cache folder ('' = no disk cache); not part of the run config
 
     def __post_init__(self) -> None:
@@ -110,6 +111,7 @@ class DataSpec:
             ("intensity", parse_intensity),
             ("empty_slices", parse_empty_slices),
             ("augment", parse_augment),
+            ("split_limit", parse_split_limit),
         ):
             try:
                 parse(getattr(self, name))
@@ -187,6 +189,27 @@ def parse_empty_slices(text: str) -> float:
         if 0 <= fraction <= 1:
             return fraction
     raise ValueError("valid forms are keep, drop, keep:<fraction in [0, 1]>")
+
+
+SPLITS = ("train", "val", "test")  # a site's splits, in this order everywhere
+
+
+def parse_split_limit(text: str) -> dict[str, int]:
+    """The row limits of a ``split-limit`` setting, e.g. ``train:40,val:10,test:20`` (split -> at most that many
+    rows at each site; a split not named keeps all its rows). Empty = no limit."""
+    out: dict[str, int] = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        split, sep, count = (part.strip() for part in item.partition(":"))
+        if split not in SPLITS or not sep:
+            raise ValueError(f"{item!r} is not <split>:<rows> with the split one of {', '.join(SPLITS)}")
+        if split in out:
+            raise ValueError(f"{split} is limited twice")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{item!r}: the rows must be a whole number >= 1")
+        out[split] = int(count)
+    return out
 
 
 AUGMENTATIONS = {  # name: (needs a value, valid range, what the value means)

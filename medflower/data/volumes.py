@@ -40,13 +40,13 @@ import pandas as pd
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .base import NA_LABELS, SPLITS, Source
+from .base import NA_LABELS, Source
 from .cache import ArraySet, entry_digest, file_identity
 from .image_datasets import SegArrayDataset
 from .maskmap import parse_mask_values
 from .readers import DICOM_EXTENSIONS, NIFTI_EXTENSIONS, load_volume, volume_intensity
 from .segfolder import MASK_SUFFIXES, MAX_MASK_CLASS, file_extension, file_stem, mask_classes, shown_values
-from .spec import DataError, DataSpec, list_rows, parse_empty_slices
+from .spec import SPLITS, DataError, DataSpec, list_rows, parse_empty_slices
 
 CASES_TABLE = "cases.csv"
 IMAGE_FILE_EXTENSIONS = NIFTI_EXTENSIONS + DICOM_EXTENSIONS

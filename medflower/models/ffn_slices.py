@@ -68,8 +68,9 @@ def ffn_saliency(model: nn.Module, batches: Iterable[torch.Tensor], forward=None
     try:
         was_training = model.training
         model.eval()
-        for x in batches:
-            (forward or model)(x)
+        with torch.no_grad():  # statistics only: no graph to keep
+            for x in batches:
+                (forward or model)(x)
         model.train(was_training)
     finally:
         for h in handles:
