@@ -303,23 +303,23 @@ def _hold_out(positions: np.ndarray, labels: np.ndarray, fraction: float, seed: 
     num_held = min(math.ceil(fraction * len(positions)), len(positions) - 1)
     if num_held <= 0:
         return positions, positions[:0]
+    return _draw(positions, labels, num_held, seed)
+
+
+def _draw(positions: np.ndarray, labels: np.ndarray, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the rest, ``count`` drawn): seeded, stratified by ``labels`` where sklearn can, else unstratified."""
     try:
-        return tuple(train_test_split(positions, test_size=num_held, random_state=seed, stratify=labels[positions]))
-    except ValueError:  # a class with fewer than 2 rows, or fewer held-out rows than classes
-        return tuple(train_test_split(positions, test_size=num_held, random_state=seed))
+        return tuple(train_test_split(positions, test_size=count, random_state=seed, stratify=labels[positions]))
+    except ValueError:  # a class with fewer than 2 rows, or fewer drawn rows than classes
+        return tuple(train_test_split(positions, test_size=count, random_state=seed))
 
 
 def limit_split(positions: np.ndarray, labels: np.ndarray, limit: int, seed: int) -> np.ndarray:
-    """At most ``limit`` of ``positions``: a seeded subset, stratified by ``labels`` where sklearn can (as
-    ``_hold_out``), sorted. A split of one site's rows stays one site's; a subset of it never mixes splits, so the
-    groups of ``split_client_rows`` stay apart."""
+    """At most ``limit`` of ``positions`` (one split of one site), a seeded, stratified subset in their order: it
+    never mixes splits, so the groups of ``split_client_rows`` stay apart."""
     if len(positions) <= limit:
         return positions
-    try:
-        kept = train_test_split(positions, test_size=limit, random_state=seed, stratify=labels[positions])[1]
-    except ValueError:  # a class with fewer than 2 rows, or fewer kept rows than classes
-        kept = train_test_split(positions, test_size=limit, random_state=seed)[1]
-    return np.sort(kept)
+    return np.sort(_draw(positions, labels, limit, seed)[1])
 
 
 # ----------------------------------------------------------------------------- groups

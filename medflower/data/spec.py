@@ -206,7 +206,7 @@ def parse_split_limit(text: str) -> dict[str, int]:
             raise ValueError(f"{item!r} is not <split>:<rows> with the split one of {', '.join(SPLITS)}")
         if split in out:
             raise ValueError(f"{split} is limited twice")
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise ValueError(f"{item!r}: the rows must be a whole number >= 1")
         out[split] = int(count)
     return out

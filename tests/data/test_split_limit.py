@@ -81,6 +81,7 @@ def test_a_limited_split_never_shares_a_group_with_another(tmp_path):
         ("train:0", "'train:0': the rows must be a whole number >= 1"),
         ("train:2.5", "'train:2.5': the rows must be a whole number >= 1"),
         ("train:-3", "'train:-3': the rows must be a whole number >= 1"),
+        ("train:\u00b2", "'train:\u00b2': the rows must be a whole number >= 1"),
         ("training:40", "'training:40' is not <split>:<rows> with the split one of train, val, test"),
         ("train", "'train' is not <split>:<rows>"),
         ("train:40,train:20", "train is limited twice"),
