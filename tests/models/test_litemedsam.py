@@ -468,6 +468,11 @@ STRATEGIES = {
     "fedsa": {"adapter": "lora"},
     "fedra": {"fedra-layers": "3,2"},
     "fedbkd": {"adapter": "lora", "fedbkd-capacities": "0.5,0.25"},  # lora: unset (fedbkd trains its sub-encoders)
+    # FedBKD's Table 1 baselines cut the same FFN slices of TinyViT's transformer stages
+    **{
+        name: {"adapter": "lora", "fedbkd-capacities": "0.5,0.25"}
+        for name in ("submodel-local", "submodel-fedprox", "ditto", "heterofl", "fedrolex", "feddrop")
+    },
 }
 
 
