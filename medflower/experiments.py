@@ -404,6 +404,10 @@ class RunsFailed(RuntimeError):
     """Some runs of a ``--parallel`` file failed; the others finished. The message names each with its log."""
 
 
+class RunsMissing(RuntimeError):
+    """A comparison asked for runs that have not finished; the message names every one."""
+
+
 def _run_in_child(config: dict[str, Any], num_nodes: int, threads: int, log_path: str) -> None:
     """One run in a fresh process, everything it prints (Flower's log, a traceback) in ``log_path``."""
     with open(log_path, "ab", buffering=0) as log:
@@ -537,15 +541,24 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     table: dict[str, Any] = {}
     per_client: dict[str, Any] = {}
     left_out: dict[str, dict[int, str]] = {}
+    missing = [
+        f"{run['name']} seed {seed}"
+        for run in plan["runs"]
+        for seed in plan["seeds"]
+        if not (out_dir / f"{safe_name(run['name'])}-seed{seed}" / run_folder.SUMMARY_JSON).is_file()
+    ]
+    if missing:
+        raise RunsMissing(
+            f"{len(missing)} run(s) have not finished in {out_dir} ({', '.join(missing)}): run them with --only and "
+            "--seeds (--resume keeps the finished ones), or compare just the runs and seeds that finished with "
+            "--only and --seeds"
+        )
     for run in plan["runs"]:
         finals: dict[str, list[float]] = defaultdict(list)
         clients: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for seed in plan["seeds"]:
             folder = out_dir / f"{safe_name(run['name'])}-seed{seed}"
-            summary_path = folder / run_folder.SUMMARY_JSON
-            if not summary_path.is_file():
-                raise FileNotFoundError(f"run {run['name']!r} seed {seed} left no {summary_path}")
-            summary = json.loads(summary_path.read_text())
+            summary = json.loads((folder / run_folder.SUMMARY_JSON).read_text())
             if problem := seed_problem(summary):
                 left_out.setdefault(run["name"], {})[seed] = problem
                 continue
@@ -936,7 +949,11 @@ def main(argv: list[str] | None = None) -> int:
         except RunsFailed as err:
             print(f"error: {err}; rerun them with --only and --seeds, then --compare-only", file=sys.stderr)
             return 1
-    result = compare(plan, out_dir)
+    try:
+        result = compare(plan, out_dir)
+    except RunsMissing as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print((out_dir / "comparison.md").read_text())
     written = [out_dir / name for name in ("comparison.md", "comparison.json", "curves.png", PER_SITE)]
     print(f"written: {', '.join(str(path) for path in written if path.is_file())}")

@@ -226,7 +226,7 @@ def test_a_bad_extends_names_the_file(tmp_path):
         load_plan(tmp_path / "d.yaml")
 
 
-def test_seeds_runs_a_subset_and_compare_only_joins_them_with_earlier_seeds(tmp_path):
+def test_seeds_runs_a_subset_and_compare_only_joins_them_with_earlier_seeds(tmp_path, capsys):
     plan = {
         "name": "more",
         "num-supernodes": 2,
@@ -247,6 +247,9 @@ def test_seeds_runs_a_subset_and_compare_only_joins_them_with_earlier_seeds(tmp_
     out = tmp_path / "out" / "more"
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["local-seed1"]
     assert json.loads((out / "comparison.json").read_text())["seeds"] == [1]
+    assert main([str(path), *out_args, "--compare-only", "--seeds", "1"]) == 0
+    assert main([str(path), *out_args, "--compare-only"]) == 2  # seed 0 has not run: a message, no traceback
+    assert "1 run(s) have not finished" in capsys.readouterr().err
     assert main([str(path), *out_args, "--seeds", "0"]) == 0
     assert main([str(path), *out_args, "--compare-only"]) == 0
     table = json.loads((out / "comparison.json").read_text())["table"]["local"]
