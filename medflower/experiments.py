@@ -259,6 +259,11 @@ def absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_name(run: dict[str, Any], seed: int) -> str:
+    """The run name, and folder under the file's output folder, of one (run, seed): ``<run>-seed<k>``."""
+    return f"{safe_name(run['name'])}-seed{seed}"
+
+
 def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Path) -> dict[str, Any]:
     """One (run, seed)'s run config. Its folder is <out_dir>/<run>-seed<k>: running the file again redoes it
     (``overwrite`` true unless the file sets it false, then a finished run's folder is refused). Tracked runs of a
@@ -266,9 +271,7 @@ def run_config(plan: dict[str, Any], run: dict[str, Any], seed: int, out_dir: Pa
     <out_dir>/tensorboard/ (docs/experiments.md#tracking)."""
     config = {"overwrite": True, "tracking-experiment": plan["name"], **plan["base"]}
     config.update({k: v for k, v in run.items() if k != "name"})
-    config.update(
-        {"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": f"{safe_name(run['name'])}-seed{seed}"}
-    )
+    config.update({"seed": seed, "output-dir": str(out_dir.resolve()), "run-name": run_name(run, seed)})
     return absolute_paths(config)
 
 
@@ -545,7 +548,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         f"{run['name']} seed {seed}"
         for run in plan["runs"]
         for seed in plan["seeds"]
-        if not (out_dir / f"{safe_name(run['name'])}-seed{seed}" / run_folder.SUMMARY_JSON).is_file()
+        if not (out_dir / run_name(run, seed) / run_folder.SUMMARY_JSON).is_file()
     ]
     if missing:
         raise RunsMissing(
@@ -557,7 +560,7 @@ def compare(plan: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         finals: dict[str, list[float]] = defaultdict(list)
         clients: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for seed in plan["seeds"]:
-            folder = out_dir / f"{safe_name(run['name'])}-seed{seed}"
+            folder = out_dir / run_name(run, seed)
             summary = json.loads((folder / run_folder.SUMMARY_JSON).read_text())
             if problem := seed_problem(summary):
                 left_out.setdefault(run["name"], {})[seed] = problem
@@ -813,7 +816,7 @@ def run_records(plan: dict[str, Any], out_dir: Path, run: dict[str, Any], seed: 
     """A run's eval records and server round records (where the pooled metrics are)."""
     return [
         r
-        for r in read_records(out_dir / f"{safe_name(run['name'])}-seed{seed}" / run_folder.METRICS)
+        for r in read_records(out_dir / run_name(run, seed) / run_folder.METRICS)
         if r.get("kind") in ("eval", "server")
     ]
 
